@@ -1,0 +1,76 @@
+"""Prompts for response regeneration (issue 3).
+
+Code corpora: a prompt is a file's prefix of random length (in tokens), so the
+target continues real code from a real point. Chat datasets (rows with a
+`messages` list): the user turns, rendered with the tokenizer's chat template.
+Prompts are grouped so that every batch of `batch_size` prompts shares one
+length: batched generation then needs no padding, which matters for hybrid
+GDN targets whose recurrent layers would otherwise fold pad tokens into their
+state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dflash2.errors import DFlash2Error
+
+
+@dataclass
+class PromptBatch:
+    """`input_ids` (n, P) int64 numpy array, all prompts of the batch the same length P; `keys` the documents."""
+
+    input_ids: np.ndarray
+    keys: list[str]
+
+
+def code_prompt_batches(documents, tokenizer, *, num_prompts: int, min_tokens: int, max_tokens: int, batch_size: int, seed: int) -> list[PromptBatch]:
+    """Draw `num_prompts` file-prefix prompts in equal-length batches.
+
+    Documents shorter than a batch's drawn length are skipped for that batch;
+    documents are drawn with replacement once the set is exhausted (a prefix
+    length differs, so the prompt usually does too).
+    """
+    if num_prompts <= 0:
+        return []
+    if min_tokens < 1 or max_tokens < min_tokens:
+        raise DFlash2Error(f"data.prompt_min_tokens={min_tokens} / prompt_max_tokens={max_tokens}: need 1 <= min <= max")
+    rng = np.random.default_rng(seed)
+    encoded = [(d.key, tokenizer(d.text, add_special_tokens=False)["input_ids"]) for d in documents]
+    encoded = [(k, ids) for k, ids in encoded if len(ids) >= min_tokens]
+    if not encoded:
+        raise DFlash2Error(f"no document has at least data.prompt_min_tokens={min_tokens} tokens; lower it or add corpus sources")
+    batches, made = [], 0
+    order = rng.permutation(len(encoded))
+    cursor = 0
+    while made < num_prompts:
+        n = min(batch_size, num_prompts - made)
+        length = int(rng.integers(min_tokens, max_tokens + 1))
+        rows, keys, tries = [], [], 0
+        while len(rows) < n and tries < 20 * len(encoded):
+            key, ids = encoded[order[cursor % len(order)]]
+            cursor += 1
+            tries += 1
+            if len(ids) >= length:
+                rows.append(ids[:length])
+                keys.append(key)
+        if len(rows) < n:  # no document this long: draw a shorter length
+            max_tokens = max(min_tokens, length - 1)
+            if length == min_tokens:
+                raise DFlash2Error("could not draw prompts: documents too short for data.prompt_min_tokens")
+            continue
+        batches.append(PromptBatch(np.asarray(rows, dtype=np.int64), keys))
+        made += n
+    return batches
+
+
+def chat_prompt_ids(messages: list[dict], tokenizer) -> list[int]:
+    """The user turns of a conversation as a generation prompt (chat template when the tokenizer has one)."""
+    user_turns = [m for m in messages if m.get("role") == "user"]
+    if not user_turns:
+        raise DFlash2Error("a chat row has no user turn; every row needs at least one {'role': 'user', ...} message")
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(user_turns, add_generation_prompt=True, tokenize=True))
+    return tokenizer("\n".join(m["content"] for m in user_turns), add_special_tokens=False)["input_ids"]

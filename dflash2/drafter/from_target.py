@@ -1,0 +1,76 @@
+"""Derive a drafter's config from the target it drafts for (DESIGN §2)."""
+
+from __future__ import annotations
+
+from dflash2.drafter.config import DrafterConfig
+from dflash2.errors import DFlash2Error
+
+
+def drafter_config_for_target(settings: dict, target) -> DrafterConfig:
+    """A DrafterConfig from the `drafter` config group and a TargetModel.
+
+    The drafter embeds blocks with the target's embedding and reads logits from
+    the target's LM head, so its width and vocabulary are the target's; a
+    different explicit value is a user error, reported before any training.
+    """
+    tcfg = target.config
+    hidden = settings.get("hidden_size") or target.hidden_size
+    if hidden != target.hidden_size:
+        raise DFlash2Error(
+            f"drafter.hidden_size={hidden} but the target's hidden size is {target.hidden_size}; the drafter shares the "
+            f"target's embedding and LM head, so set drafter.hidden_size=null"
+        )
+    mask_id = settings.get("mask_token_id")
+    if mask_id is None and target.tokenizer is not None:
+        mask_id = target.tokenizer.mask_token_id
+    if mask_id is None:
+        raise DFlash2Error("the target's tokenizer has no mask token; set drafter.mask_token_id to an unused id inside the target vocab")
+    if not 0 <= int(mask_id) < target.vocab_size:
+        raise DFlash2Error(f"mask_token_id={mask_id} is outside the target vocab [0, {target.vocab_size}); pick an unused id below {target.vocab_size}")
+    heads = int(settings["num_attention_heads"])
+    rope_theta = settings.get("rope_theta") or _target_rope_theta(tcfg)
+    config = DrafterConfig(
+        hidden_size=hidden,
+        intermediate_size=settings.get("intermediate_size") or getattr(tcfg, "intermediate_size", 4 * hidden),
+        num_hidden_layers=int(settings["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(settings["num_key_value_heads"]),
+        head_dim=settings.get("head_dim") or hidden // heads,
+        rms_norm_eps=float(getattr(tcfg, "rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", 4096)),
+        vocab_size=target.vocab_size,
+        target_hidden_size=target.hidden_size,
+        target_layer_ids=list(target.target_layer_ids),
+        block_size=int(settings["block_size"]),
+        mask_token_id=int(mask_id),
+        use_local_conv=bool(settings["use_local_conv"]),
+        conv_kernel_size=int(settings["conv_kernel_size"]),
+        conv_group_size=int(settings["conv_group_size"]),
+        use_selector=bool(settings["use_selector"]),
+        selector_rank=int(settings["selector_rank"]),
+        selector_top_k=int(settings["selector_top_k"]),
+        target_name_or_path=str(target.name_or_path),
+    )
+    config.validate()
+    return config
+
+
+def check_drafter_matches_target(config: DrafterConfig, target) -> None:
+    """Refuse a drafter trained for another target (vocab, width, taps)."""
+    problems = []
+    if config.vocab_size != target.vocab_size:
+        problems.append(f"vocab {config.vocab_size} vs target {target.vocab_size}")
+    if config.target_hidden_size != target.hidden_size or config.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {config.hidden_size}/{config.target_hidden_size} vs target {target.hidden_size}")
+    if max(config.target_layer_ids) >= target.num_layers:
+        problems.append(f"taps {config.target_layer_ids} but the target has {target.num_layers} layers")
+    if problems:
+        raise DFlash2Error(f"drafter was trained for another target ({'; '.join(problems)}); use the target it was trained with or train a new drafter")
+
+
+def _target_rope_theta(tcfg) -> float:
+    params = getattr(tcfg, "rope_parameters", None) or {}
+    if isinstance(params, dict) and "rope_theta" in params:
+        return params["rope_theta"]
+    return getattr(tcfg, "rope_theta", 10000.0)

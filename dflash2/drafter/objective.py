@@ -1,0 +1,101 @@
+"""Training objective of the drafter (DESIGN §2), free of Lightning.
+
+Anchors, block labels, the decay-weighted cross-entropy and the metrics logged
+every step. Shapes: N sequences of length L, A anchors per sequence, block
+size B, P = B - 1 drafted positions per block, V the target vocabulary.
+"""
+
+from __future__ import annotations
+
+
+import torch
+import torch.nn.functional as F
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw up to `num_anchors` anchor positions per sequence, uniformly without replacement.
+
+    An anchor p is eligible when p >= 1 (some context precedes it) and both p
+    and p + 1 are supervised response tokens (§2), so every block has at least
+    one label. loss_mask: (N, L) {0,1}. Returns anchors (N, A) int64, sorted,
+    and anchor_valid (N, A) bool; rows with fewer eligible positions are
+    padded with position 1 and valid=False.
+    """
+    n, length = loss_mask.shape
+    mask = loss_mask.bool()
+    eligible = torch.zeros_like(mask)
+    eligible[:, 1:-1] = mask[:, 1:-1] & mask[:, 2:]
+    # Random scores on CPU from an explicit generator (repeatable per step), eligible first.
+    scores = torch.rand(n, length, generator=generator).to(loss_mask.device)
+    scores = torch.where(eligible, scores, torch.full_like(scores, 2.0))
+    picked = scores.argsort(dim=1)[:, :num_anchors]  # (N, A)
+    valid = eligible.gather(1, picked)
+    anchors = torch.where(valid, picked, torch.ones_like(picked))
+    # Sort valid anchors by position (padding last) for readable masks and logs.
+    order = torch.where(valid, anchors, torch.full_like(anchors, length + 1)).argsort(dim=1)
+    return anchors.gather(1, order), valid.gather(1, order)
+
+
+def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels of the drafted positions: block position k (1..B-1) predicts token anchor + k (no shift).
+
+    Returns labels (N, A, P) int64 and label_mask (N, A, P) bool (False past the
+    sequence end, on unsupervised tokens, or for padded anchors).
+    """
+    n, length = input_ids.shape
+    offsets = torch.arange(1, block_size, device=input_ids.device)
+    pos = anchors[:, :, None] + offsets  # (N, A, P)
+    inside = pos < length
+    pos_c = pos.clamp(max=length - 1)
+    flat = pos_c.reshape(n, -1)
+    labels = input_ids.gather(1, flat).view_as(pos)
+    supervised = loss_mask.bool().gather(1, flat).view_as(pos)
+    return labels, inside & supervised & anchor_valid[:, :, None]
+
+
+def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for k = 1..B-1: (P,). Early positions matter most for acceptance."""
+    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def weighted_block_loss(logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ w_k·CE_k / Σ w_k over valid positions. logits (N, A, P, V); weights (P,)."""
+    ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
+    w = weights.view(1, 1, -1) * label_mask
+    return (ce * w).sum() / w.sum().clamp_min(1e-8)
+
+
+@torch.no_grad()
+def block_metrics(predictions: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-position top-1 accuracy and the acceptance estimate.
+
+    predictions/labels: (N, A, P); label_mask (N, A, P).
+
+    Acceptance estimate: at T=0 a block's drafts are accepted up to the first
+    wrong one, so per block accepted = the length of the leading run of
+    correct predictions, and τ = 1 + accepted (the bonus token). The estimate
+    averages that over blocks, counting only blocks whose P positions are all
+    labelled (a block cut by the sequence end would bias it down). When the
+    training responses are the target's greedy outputs this is the τ that
+    greedy speculative decoding would measure on the same contexts.
+    """
+    correct = (predictions == labels) & label_mask
+    denom = label_mask.sum(dim=(0, 1)).clamp_min(1)
+    acc = correct.sum(dim=(0, 1)).float() / denom  # (P,)
+    full = label_mask.all(dim=-1)  # (N, A)
+    run = correct.long().cumprod(dim=-1).sum(dim=-1).float()  # leading correct drafts
+    tau = 1.0 + (run[full].mean() if bool(full.any()) else torch.tensor(float("nan"), device=run.device))
+    return {"acc_per_position": acc, "tau_estimate": tau, "blocks": full.sum()}
+
+
+def expected_tau_from_accuracies(acc_per_position: torch.Tensor) -> float:
+    """τ if position errors were independent: 1 + Σ_k Π_{j<=k} acc_j (a cross-check of the estimate)."""
+    return 1.0 + float(torch.cumprod(acc_per_position.float(), dim=0).sum())
+
+
+def anchor_generator(seed: int, step: int) -> torch.Generator:
+    """The RNG of one step's anchor draw: a function of (seed, step) only, so resumed runs redraw the same anchors."""
+    return torch.Generator().manual_seed((int(seed) * 1_000_003 + int(step)) % (2**63 - 1))
+
+

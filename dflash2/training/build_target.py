@@ -1,0 +1,208 @@
+"""Build (or reuse) the embedded default target (DESIGN §8, issue 2).
+
+`ensure_target(cfg)` returns the folder of an HF causal LM for the run:
+- `target.path` set: that folder or hub id, used as is;
+- otherwise the embedded recipe: tokenizer + hybrid GDN model pretrained on the
+  corpus train split, cached under `paths.cache_dir/targets/<name>-<key>/`
+  where the key hashes the recipe, corpus and seed, so a later run with the
+  same settings reuses it and a changed setting rebuilds it.
+The build is written to a temporary folder and renamed into place, so the cache
+never holds a half-built target.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from dflash2.corpus import corpus_fingerprint, load_documents
+from dflash2.errors import DFlash2Error
+from dflash2.target_recipe import hybrid_target_config
+from dflash2.tokenizer import EOS_TOKEN, PAD_TOKEN, encode_documents, train_bpe_tokenizer
+from dflash2.training.target_pretrain import (
+    CausalLMPretrainModule,
+    RandomWindows,
+    consecutive_windows,
+    heldout_cross_entropy,
+    perplexity,
+    unigram_cross_entropies,
+)
+
+log = logging.getLogger(__name__)
+RECIPE_VERSION = 1  # bump when the build procedure changes in a way that changes results
+BUILD_INFO = "build_info.json"
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) or OmegaConf.is_config(node) else node
+
+
+def target_cache_key(cfg: DictConfig) -> str:
+    """Hash of everything the built target depends on."""
+    sources = list(_plain(cfg.data.sources)) + list(_plain(cfg.target.recipe.get("extra_sources", [])) or [])
+    payload = {
+        "recipe": _plain(cfg.target.recipe),
+        "corpus": corpus_fingerprint(sources, "train", **_split_kwargs(cfg)),
+        "seed": int(cfg.seed),
+        "version": RECIPE_VERSION,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _split_kwargs(cfg: DictConfig) -> dict:
+    return {"validation_fraction": float(cfg.data.validation_fraction), "heldout_fraction": float(cfg.data.heldout_fraction)}
+
+
+def ensure_target(cfg: DictConfig) -> Path | str:
+    """The target to use for this run: an existing path/hub id, or the cached embedded build."""
+    if cfg.target.get("path"):
+        return cfg.target.path
+    if cfg.target.get("recipe") is None:
+        raise DFlash2Error("target.path is not set and the target config has no recipe; pass target.path=DIR_OR_HUB_ID")
+    cache_root = Path(cfg.paths.cache_dir) / "targets"
+    final = cache_root / f"{cfg.target.name}-{target_cache_key(cfg)}"
+    if (final / BUILD_INFO).exists():
+        log.info("reusing cached target %s", final)
+        return final
+    build_embedded_target(cfg, final)
+    return final
+
+
+def publish_target(source: Path | str, output_dir: Path) -> Path | str:
+    """Copy a built target into `output_dir/target/` (atomically); external targets are referenced."""
+    dest = output_dir / "target"
+    if not Path(str(source)).is_dir():
+        return source  # a hub id: nothing to copy
+    if dest.exists():
+        return dest
+    if Path(source).stat().st_size and _folder_bytes(Path(source)) > 2 * 1024**3:
+        dest.symlink_to(Path(source).resolve(), target_is_directory=True)  # do not duplicate a large model
+        return dest
+    tmp = output_dir / f".target.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    os.replace(tmp, dest)
+    return dest
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
+    """Train tokenizer + hybrid target from the recipe and save it to `final`."""
+    recipe = cfg.target.recipe
+    seed = int(cfg.seed)
+    started = time.time()
+    L.seed_everything(seed, workers=True, verbose=False)
+    sources = list(_plain(cfg.data.sources)) + list(_plain(recipe.get("extra_sources", [])) or [])
+    print(f"[dflash2] building target '{cfg.target.name}' (not in cache) -> {final}", flush=True)
+
+    train_docs = load_documents(sources, "train", **_split_kwargs(cfg))
+    heldout_docs = load_documents(sources, "heldout", **_split_kwargs(cfg))
+    if not train_docs or not heldout_docs:
+        raise DFlash2Error(f"corpus {sources} gave {len(train_docs)} train and {len(heldout_docs)} held-out documents; add more sources")
+    print(f"[dflash2] corpus: {len(train_docs)} train / {len(heldout_docs)} held-out documents", flush=True)
+
+    tokenizer = train_bpe_tokenizer((d.text for d in train_docs), vocab_size=int(recipe.vocab_size), max_train_bytes=int(recipe.tokenizer_train_bytes))
+    train_tokens = encode_documents(tokenizer, _take_tokens(train_docs, tokenizer, int(recipe.max_train_tokens)))
+    heldout_tokens = encode_documents(tokenizer, heldout_docs, show_progress=False)
+    print(f"[dflash2] tokens: {len(train_tokens):,} train / {len(heldout_tokens):,} held-out", flush=True)
+
+    from transformers import AutoModelForCausalLM
+
+    config = hybrid_target_config(recipe, eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN), pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.float()
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"[dflash2] target: {n_params / 1e6:.2f} M params, layers {config.layer_types}", flush=True)
+
+    steps = int(recipe.max_steps)
+    dataset = RandomWindows(train_tokens, int(recipe.seq_len), steps * int(recipe.batch_size), seed)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=int(recipe.batch_size), shuffle=False, num_workers=0)
+    module = CausalLMPretrainModule(model, float(recipe.lr), float(recipe.weight_decay), int(recipe.warmup_steps), steps)
+    trainer = L.Trainer(
+        accelerator=cfg.trainer.get("accelerator", "cpu"),
+        devices=1,
+        precision=cfg.trainer.get("precision", "32-true"),
+        max_steps=steps,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        log_every_n_steps=10,
+        default_root_dir=str(final.parent),
+    )
+    trainer.fit(module, loader)
+
+    model = module.model.float().cpu().eval()
+    windows = consecutive_windows(heldout_tokens, int(recipe.seq_len), int(recipe.eval_windows))
+    device = "cuda" if torch.cuda.is_available() and cfg.trainer.get("accelerator") in ("gpu", "cuda") else "cpu"
+    ce = heldout_cross_entropy(model.to(device), windows)
+    model.cpu()
+    baselines = unigram_cross_entropies(train_tokens, windows, config.vocab_size)
+    info = {
+        "name": cfg.target.name,
+        "params": n_params,
+        "layer_types": list(config.layer_types),
+        "train_tokens_seen": steps * int(recipe.batch_size) * int(recipe.seq_len),
+        "heldout_tokens_scored": int(windows[:, 1:].numel()),
+        "heldout_cross_entropy": ce,
+        "heldout_perplexity": perplexity(ce),
+        **{f"heldout_{k}_cross_entropy": v for k, v in baselines.items()},
+        "seed": seed,
+        "recipe": _plain(recipe),
+        "build_seconds": round(time.time() - started, 1),
+        "torch": torch.__version__,
+    }
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / BUILD_INFO).write_text(json.dumps(info, indent=2))
+    if final.exists():  # a concurrent build finished first: keep theirs
+        shutil.rmtree(tmp)
+    else:
+        os.replace(tmp, final)
+    print(format_target_report(info), flush=True)
+    return info
+
+
+def _take_tokens(docs, tokenizer, max_tokens: int):
+    """A seeded shuffle of the documents, cut once about `max_tokens` tokens (≈3.3 bytes/token) are covered.
+
+    Shuffled so that a budget smaller than the corpus still spans all modules
+    rather than the alphabetically first ones.
+    """
+    import numpy as np
+
+    budget_bytes = int(max_tokens * 3.5)
+    taken, used = [], 0
+    for i in np.random.default_rng(0).permutation(len(docs)):
+        d = docs[int(i)]
+        taken.append(d)
+        used += len(d.text.encode("utf-8", errors="replace"))
+        if used >= budget_bytes:
+            break
+    return taken
+
+
+def format_target_report(info: dict) -> str:
+    return (
+        f"[dflash2] target '{info['name']}': held-out CE {info['heldout_cross_entropy']:.3f} nats/token "
+        f"(ppl {info['heldout_perplexity']:.1f}) vs unigram {info['heldout_unigram_train_cross_entropy']:.3f} "
+        f"(train-fitted) / {info['heldout_unigram_oracle_cross_entropy']:.3f} (fitted on the held-out text itself); "
+        f"{info['params'] / 1e6:.2f} M params, built in {info['build_seconds']} s"
+    )

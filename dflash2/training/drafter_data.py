@@ -1,0 +1,75 @@
+"""LightningDataModule of drafter training: batches of regenerated sequences.
+
+Data order is a function of (seed, step) only: `StepSampler` walks seeded
+permutations of the dataset and starts at `global_step * batch_size`, so a run
+resumed from a checkpoint sees exactly the batches the uninterrupted run would
+have seen (no reliance on dataloader state).
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+
+class StepSampler(Sampler[int]):
+    """Indices for steps [start_step, total_steps) of a run, `batch_size` per step.
+
+    Epoch e of the data is permutation e (seeded by (seed, e)); the run's index
+    stream is their concatenation, cut to the run's steps.
+    """
+
+    def __init__(self, dataset_len: int, batch_size: int, total_steps: int, seed: int, start_step: int = 0):
+        self.n, self.batch_size, self.total_steps, self.seed, self.start_step = dataset_len, batch_size, total_steps, seed, start_step
+
+    def __len__(self) -> int:
+        return max(0, self.total_steps - self.start_step) * self.batch_size
+
+    def __iter__(self):
+        first, last = self.start_step * self.batch_size, self.total_steps * self.batch_size
+        epoch = first // self.n
+        offset = first - epoch * self.n
+        produced = first
+        while produced < last:
+            perm = np.random.default_rng((self.seed, epoch)).permutation(self.n)
+            for i in perm[offset:]:
+                if produced >= last:
+                    return
+                yield int(i)
+                produced += 1
+            epoch, offset = epoch + 1, 0
+
+
+def collate_sequences(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad rows to the longest: input_ids (N, L) int64, loss_mask (N, L) int64."""
+    length = max(len(r["input_ids"]) for r in rows)
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), length), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
+        mask[i, : len(r["loss_mask"])] = torch.tensor(r["loss_mask"])
+    return {"input_ids": ids, "loss_mask": mask}
+
+
+class DrafterDataModule(L.LightningDataModule):
+    """Train / validation loaders over regenerated `datasets.Dataset`s."""
+
+    def __init__(self, train_dataset, val_dataset, *, batch_size: int, total_steps: int, seed: int, pad_id: int, num_workers: int = 0):
+        super().__init__()
+        self.train_dataset, self.val_dataset = train_dataset, val_dataset
+        self.batch_size, self.total_steps, self.seed = batch_size, total_steps, seed
+        self.pad_id, self.num_workers = pad_id, num_workers
+
+    def _collate(self, rows):
+        return collate_sequences(rows, self.pad_id)
+
+    def train_dataloader(self) -> DataLoader:
+        # The trainer restores global_step before asking for loaders, so a resumed run starts where it stopped.
+        start = int(self.trainer.global_step) if self.trainer is not None else 0
+        sampler = StepSampler(len(self.train_dataset), self.batch_size, self.total_steps, self.seed, start)
+        return DataLoader(self.train_dataset, batch_size=self.batch_size, sampler=sampler, collate_fn=self._collate, num_workers=self.num_workers, drop_last=False)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_dataset, batch_size=self.batch_size, shuffle=False, collate_fn=self._collate, num_workers=self.num_workers)

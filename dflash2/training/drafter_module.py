@@ -1,0 +1,138 @@
+"""LightningModule that trains a drafter against a frozen target (issue 3, DESIGN §2-§3).
+
+Each step: target taps for the batch under no_grad (online; the target is
+frozen and never part of the optimised or checkpointed state), anchors redrawn
+from an RNG keyed by (seed, step), all blocks of a sequence in one drafter
+forward with the block-sparse mask, decay-weighted CE plus the selector's loss.
+"""
+
+from __future__ import annotations
+
+import time
+
+import lightning as L
+import torch
+
+from dflash2.drafter.objective import anchor_generator, block_labels, block_metrics, position_weights, sample_anchors, weighted_block_loss
+from dflash2.errors import DFlash2Error
+from dflash2.training.schedule import cosine_with_warmup
+
+
+class DrafterTrainingModule(L.LightningModule):
+    """Holds the trainable `drafter` (an nn.Module) and a reference to the frozen `target` (a TargetModel)."""
+
+    def __init__(self, drafter: torch.nn.Module, target, *, num_anchors: int, loss_gamma: float, selector_loss_weight: float,
+                 lr: float, weight_decay: float, warmup_ratio: float, total_steps: int, seed: int, target_id: str = ""):
+        super().__init__()
+        self.drafter = drafter
+        # Kept outside the module tree on purpose: its weights must not enter
+        # checkpoints or the optimizer; `on_fit_start` moves it with us.
+        object.__setattr__(self, "target", target)
+        self.num_anchors, self.loss_gamma, self.selector_loss_weight = num_anchors, loss_gamma, selector_loss_weight
+        self.lr, self.weight_decay, self.warmup_ratio, self.total_steps = lr, weight_decay, warmup_ratio, total_steps
+        self.seed, self.target_id = seed, target_id
+        self._last_step_time: float | None = None
+
+    # ----------------------------------------------------------------- plumbing
+    def _sync_target_device(self) -> None:
+        if self.target.model.device != self.device:
+            self.target.model.to(self.device)
+
+    def on_fit_start(self) -> None:
+        self._sync_target_device()
+
+    def on_validation_start(self) -> None:
+        self._sync_target_device()
+
+    @property
+    def block_size(self) -> int:
+        return self.drafter.config.block_size
+
+    # ---------------------------------------------------------------- the step
+    def block_outputs(self, batch: dict, generator: torch.Generator) -> dict:
+        """Forward of one batch: losses, predictions and labels. Shapes in comments."""
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # (N, L)
+        with torch.no_grad():
+            taps = self.target.tap_features(input_ids)  # (N, L, K*d_t)
+        anchors, valid = sample_anchors(loss_mask, self.num_anchors, generator)  # (N, A)
+        if not bool(valid.any()):
+            raise DFlash2Error("a batch has no eligible anchor (no two consecutive response tokens); check data.response_tokens and the loss mask")
+        hidden = self.drafter.training_forward(taps, input_ids, self.target.embed_tokens, anchors, valid)  # (N, A, B, d)
+        drafted = hidden[:, :, 1:]  # (N, A, P, d): block position k predicts token anchor + k
+        logits = self.target.lm_head(drafted)  # (N, A, P, V)
+        labels, label_mask = block_labels(input_ids, loss_mask, anchors, valid, self.block_size)
+        weights = position_weights(self.block_size, self.loss_gamma, device=logits.device)
+        ce = weighted_block_loss(logits, labels, label_mask, weights)
+        out = {"ce": ce, "loss": ce, "predictions": logits.argmax(-1), "labels": labels, "label_mask": label_mask}
+        selector = getattr(self.drafter, "candidate_selector", None)
+        if selector is not None:
+            anchor_ids = input_ids.gather(1, anchors)  # (N, A)
+            flat = lambda t: t.flatten(0, 1)  # noqa: E731  (N, A, ...) -> (N*A, ...)
+            sel_loss, sel_stats = selector.loss(flat(drafted), flat(logits), flat(anchor_ids), flat(labels), flat(label_mask))
+            out["selector_loss"], out["selector_stats"] = sel_loss, sel_stats
+            out["loss"] = ce + self.selector_loss_weight * sel_loss
+            with torch.no_grad():
+                path = selector.greedy_path(flat(drafted), flat(logits), flat(anchor_ids))
+            out["selector_predictions"] = path.view_as(labels)
+        return out
+
+    def _log_block_metrics(self, prefix: str, out: dict, **kw) -> dict:
+        metrics = block_metrics(out["predictions"], out["labels"], out["label_mask"])
+        logs = {f"{prefix}/loss": out["loss"].detach(), f"{prefix}/ce": out["ce"].detach(), f"{prefix}/tau_estimate": metrics["tau_estimate"]}
+        for k, a in enumerate(metrics["acc_per_position"], start=1):
+            logs[f"{prefix}/acc_pos{k}"] = a
+        if "selector_loss" in out:
+            path_metrics = block_metrics(out["selector_predictions"], out["labels"], out["label_mask"])
+            logs[f"{prefix}/selector_loss"] = out["selector_loss"].detach()
+            logs[f"{prefix}/selector_tau_estimate"] = path_metrics["tau_estimate"]
+            for name, value in out["selector_stats"].items():
+                logs[f"{prefix}/selector_{name}"] = value
+        self.log_dict(logs, **kw)
+        return metrics
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        out = self.block_outputs(batch, anchor_generator(self.seed, self.global_step))
+        if not torch.isfinite(out["loss"]):
+            raise DFlash2Error(
+                f"drafter loss became {out['loss'].item()} at step {self.global_step}; training stopped and the last good "
+                f"checkpoint is kept under the run's checkpoints/ (resume with ckpt_path=last); lower drafter.lr or use fp32"
+            )
+        self._log_block_metrics("train", out, prog_bar=False)
+        self.log("train/loss_bar", out["loss"].detach(), prog_bar=True, logger=False)
+        now = time.perf_counter()
+        if self._last_step_time is not None:
+            self.log("train/tokens_per_s", batch["input_ids"].numel() / (now - self._last_step_time))
+        self._last_step_time = now
+        return out["loss"]
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        out = self.block_outputs(batch, anchor_generator(self.seed + 1, batch_idx))  # fixed anchors every validation
+        self._log_block_metrics("val", out, prog_bar=False, batch_size=batch["input_ids"].shape[0])
+
+    # -------------------------------------------------------------- optimiser
+    def configure_optimizers(self):
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        decay = [p for p in params if p.ndim >= 2]
+        no_decay = [p for p in params if p.ndim < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=self.lr, betas=(0.9, 0.95)
+        )
+        scheduler = cosine_with_warmup(optimizer, int(self.warmup_ratio * self.total_steps), self.total_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------ checkpoints
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["dflash2"] = {"drafter_config": self.drafter.config.to_dict(), "target_id": self.target_id}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        saved = checkpoint.get("dflash2", {}).get("drafter_config")
+        if saved is None:
+            return
+        now = self.drafter.config.to_dict()
+        diff = sorted(k for k in set(saved) | set(now) if k != "target_name_or_path" and saved.get(k) != now.get(k))
+        if diff:
+            raise DFlash2Error(
+                "checkpoint was trained with a different drafter/target setup ("
+                + ", ".join(f"{k}: {saved.get(k)} vs now {now.get(k)}" for k in diff[:4])
+                + "); resume with the same target and drafter config, or start a new run"
+            )

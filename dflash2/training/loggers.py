@@ -1,0 +1,50 @@
+"""Logger factories for the `logger/` config group.
+
+wandb is imported only when this factory runs. Its mode is decided up front so
+that a run never blocks on a login prompt or a dead network: `auto` means
+online only when an API key is configured and api.wandb.ai answers within two
+seconds, offline otherwise (files under save_dir/wandb, syncable later).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+
+def wandb_mode(requested: str = "auto") -> str:
+    """Resolve `auto` into `online` or `offline`; other values pass through."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if requested != "auto":
+        return requested
+    has_key = bool(os.environ.get("WANDB_API_KEY")) or _netrc_has_wandb()
+    if not has_key:
+        return "offline"
+    try:
+        with socket.create_connection(("api.wandb.ai", 443), timeout=2.0):
+            return "online"
+    except OSError:
+        return "offline"
+
+
+def _netrc_has_wandb() -> bool:
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return "api.wandb.ai" in netrc.read_text()
+    except OSError:
+        return False
+
+
+def make_wandb_logger(project: str = "dflash2", name: str | None = None, save_dir: str = ".", mode: str = "auto", **kwargs):
+    """A Lightning WandbLogger in the resolved mode (or None when mode is `disabled`)."""
+    resolved = wandb_mode(mode)
+    if resolved == "disabled":
+        return None
+    from lightning.pytorch.loggers import WandbLogger
+
+    os.environ["WANDB_MODE"] = resolved  # also governs wandb's own subprocess
+    os.environ.setdefault("WANDB_SILENT", "true")
+    Path(save_dir).mkdir(parents=True, exist_ok=True)
+    return WandbLogger(project=project, name=name, save_dir=save_dir, offline=resolved == "offline", **kwargs)

@@ -1,0 +1,140 @@
+"""Drafter training run (issue 3): data regeneration -> Lightning fit -> export -> held-out report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from dflash2.data.regenerate import regenerate_split
+from dflash2.drafter.from_target import check_drafter_matches_target, drafter_config_for_target
+from dflash2.drafter.io import load_drafter, save_drafter
+from dflash2.drafter.model import DFlashDrafter
+from dflash2.drafter.objective import anchor_generator, block_metrics, expected_tau_from_accuracies
+from dflash2.errors import DFlash2Error
+from dflash2.target import TargetModel
+from dflash2.training.drafter_data import DrafterDataModule, collate_sequences
+from dflash2.training.drafter_module import DrafterTrainingModule
+from dflash2.training.run import instantiate_callbacks, instantiate_loggers, plain, regeneration_device
+
+
+def load_target(cfg: DictConfig, target_dir) -> TargetModel:
+    ids = cfg.target.get("target_layer_ids")
+    return TargetModel.from_pretrained(
+        str(target_dir), target_layer_ids=list(ids) if ids is not None else None, num_taps=int(cfg.target.get("num_taps", 5)), dtype="float32"
+    )
+
+
+def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
+    seed = int(cfg.seed)
+    target = load_target(cfg, target_dir)
+    data = plain(cfg.data)
+    cache_dir = Path(cfg.paths.cache_dir)
+    device = regeneration_device(cfg)
+    common = dict(seed=seed, cache_dir=cache_dir, target_id=str(target_dir), device=device)
+    train_ds = regenerate_split(target, data, split="train", num_prompts=int(data["num_train_prompts"]), **common)
+    val_ds = regenerate_split(target, data, split="validation", num_prompts=int(data["num_val_prompts"]), **common)
+    target.model.cpu()
+    print(f"[dflash2] data: {len(train_ds)} train / {len(val_ds)} validation regenerated sequences (cache {cache_dir / 'data'})", flush=True)
+
+    settings = plain(cfg.drafter)
+    config = drafter_config_for_target(settings, target)
+    if settings.get("init_from"):
+        drafter = load_drafter(settings["init_from"])
+        check_drafter_matches_target(drafter.config, target)
+    else:
+        torch.manual_seed(seed)
+        drafter = DFlashDrafter(config)
+    n_params = sum(p.numel() for p in drafter.parameters())
+    print(f"[dflash2] drafter: {settings['version']} ({n_params / 1e6:.2f} M params, block {config.block_size}, taps {config.target_layer_ids})", flush=True)
+
+    total_steps = int(cfg.trainer.max_steps)
+    if cfg.trainer.get("fast_dev_run"):
+        total_steps = max(total_steps, 1)
+    module = DrafterTrainingModule(
+        drafter, target, num_anchors=int(settings["num_anchors"]), loss_gamma=float(settings["loss_gamma"]),
+        selector_loss_weight=float(settings["selector_loss_weight"]), lr=float(settings["lr"]), weight_decay=float(settings["weight_decay"]),
+        warmup_ratio=float(settings["warmup_ratio"]), total_steps=total_steps, seed=seed, target_id=str(target_dir),
+    )
+    pad_id = target.tokenizer.pad_token_id if target.tokenizer is not None and target.tokenizer.pad_token_id is not None else 0
+    datamodule = DrafterDataModule(train_ds, val_ds, batch_size=int(data["batch_size"]), total_steps=total_steps, seed=seed, pad_id=pad_id, num_workers=int(data["num_workers"]))
+    loggers = instantiate_loggers(cfg)
+    trainer: L.Trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=instantiate_callbacks(cfg))
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg.get("ckpt_path"), output_dir))
+
+    drafter_dir = output_dir / "drafter"
+    save_drafter(drafter.float().cpu(), drafter_dir)
+    print(f"[dflash2] drafter saved to {drafter_dir}", flush=True)
+
+    heldout_ds = regenerate_split(target, data, split="heldout", num_prompts=int(data["num_val_prompts"]), **common)
+    report = heldout_report(module.cpu(), heldout_ds, train_ds, pad_id=pad_id, batch_size=int(data["batch_size"]), seed=seed)
+    report["steps"] = int(trainer.global_step)
+    report["drafter_dir"] = str(drafter_dir)
+    (output_dir / "train_summary.json").write_text(json.dumps(report, indent=2))
+    print(format_heldout_report(report), flush=True)
+    return report
+
+
+def resolve_ckpt_path(ckpt_path, output_dir: Path):
+    if not ckpt_path:
+        return None
+    path = output_dir / "checkpoints" / "last.ckpt" if str(ckpt_path) == "last" else Path(str(ckpt_path))
+    if not path.is_file():
+        raise DFlash2Error(f"ckpt_path={ckpt_path}: no checkpoint file at {path}; pass a .ckpt file or 'last' with the run's paths.output_dir")
+    return str(path)
+
+
+@torch.no_grad()
+def heldout_report(module: DrafterTrainingModule, heldout_ds, train_ds, *, pad_id: int, batch_size: int, seed: int) -> dict:
+    """Per-position top-1 accuracy on held-out regenerated data vs the most-frequent-token baseline."""
+    module.eval()
+    module.target.model.cpu()
+    preds, labels, masks, sel_preds = [], [], [], []
+    for start in range(0, len(heldout_ds), batch_size):
+        batch = collate_sequences([heldout_ds[i] for i in range(start, min(start + batch_size, len(heldout_ds)))], pad_id)
+        out = module.block_outputs(batch, anchor_generator(seed + 2, start))
+        preds.append(out["predictions"].flatten(0, 1))
+        labels.append(out["labels"].flatten(0, 1))
+        masks.append(out["label_mask"].flatten(0, 1))
+        if "selector_predictions" in out:
+            sel_preds.append(out["selector_predictions"].flatten(0, 1))
+    cat = lambda xs: torch.cat(xs)[None]  # noqa: E731  (1, blocks, P)
+    metrics = block_metrics(cat(preds), cat(labels), cat(masks))
+    # Trivial baseline: always predict the most frequent supervised token of the training data.
+    counts = torch.zeros(module.drafter.config.vocab_size, dtype=torch.long)
+    for row in train_ds:
+        ids = torch.tensor(row["input_ids"])[torch.tensor(row["loss_mask"]).bool()]
+        counts += torch.bincount(ids, minlength=counts.numel())
+    most_frequent = int(counts.argmax())
+    baseline = block_metrics(torch.full_like(cat(labels), most_frequent), cat(labels), cat(masks))
+    report = {
+        "heldout_blocks": int(metrics["blocks"]),
+        "heldout_acc_per_position": [round(float(a), 4) for a in metrics["acc_per_position"]],
+        "heldout_tau_estimate": round(float(metrics["tau_estimate"]), 4),
+        "heldout_tau_if_independent": round(expected_tau_from_accuracies(metrics["acc_per_position"]), 4),
+        "baseline_most_frequent_token": most_frequent,
+        "baseline_acc_per_position": [round(float(a), 4) for a in baseline["acc_per_position"]],
+        "baseline_tau_estimate": round(float(baseline["tau_estimate"]), 4),
+    }
+    if sel_preds:
+        sel = block_metrics(torch.cat(sel_preds)[None], cat(labels), cat(masks))
+        report["heldout_selector_acc_per_position"] = [round(float(a), 4) for a in sel["acc_per_position"]]
+        report["heldout_selector_tau_estimate"] = round(float(sel["tau_estimate"]), 4)
+    return report
+
+
+def format_heldout_report(r: dict) -> str:
+    acc = " ".join(f"{a:.2f}" for a in r["heldout_acc_per_position"])
+    base = " ".join(f"{a:.2f}" for a in r["baseline_acc_per_position"])
+    lines = [
+        f"[dflash2] held-out per-position top-1 accuracy ({r['heldout_blocks']} blocks): {acc}",
+        f"[dflash2]   baseline (always token {r['baseline_most_frequent_token']}):            {base}",
+        f"[dflash2]   acceptance estimate tau = {r['heldout_tau_estimate']:.3f} (baseline {r['baseline_tau_estimate']:.3f})",
+    ]
+    if "heldout_selector_tau_estimate" in r:
+        lines.append(f"[dflash2]   selector path tau estimate = {r['heldout_selector_tau_estimate']:.3f}")
+    return "\n".join(lines)

@@ -1,0 +1,72 @@
+"""Every config composes, and the objects it describes instantiate (issue 2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from dflash2.training.cli import CONFIG_DIR, check_overrides
+
+GROUPS = {p.name: sorted(q.stem for q in p.glob("*.yaml")) for p in Path(CONFIG_DIR).iterdir() if p.is_dir()}
+
+
+def _compose(overrides, tmp_path):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=[f"paths.output_dir={tmp_path}", f"paths.cache_dir={tmp_path}/cache", *overrides], return_hydra_config=True)
+    GlobalHydra.instance().clear()
+    return cfg
+
+
+def test_expected_groups_exist():
+    for group in ["target", "drafter", "data", "trainer", "logger", "callbacks", "paths", "experiment", "debug"]:
+        assert GROUPS.get(group), f"config group {group}/ is missing"
+    assert {"cpu", "gpu", "ddp", "fsdp"} <= set(GROUPS["trainer"])
+    assert {"wandb", "tensorboard", "csv"} <= set(GROUPS["logger"])
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts if g not in ("paths",)])
+def test_every_option_composes(group, option, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    if group == "trainer" and option == "default":
+        pytest.skip("trainer/default is the base of the other trainer configs")
+    cfg = _compose([f"{group}={option}"], tmp_path)
+    OmegaConf.resolve(cfg)  # every interpolation resolves
+    assert cfg.paths.output_dir == str(tmp_path)
+    if group == "trainer" and option in ("cpu",):
+        trainer = instantiate(cfg.trainer, logger=False, enable_progress_bar=False)
+        assert trainer.max_steps == cfg.trainer.max_steps
+    if group == "logger":
+        for node in cfg.logger.values():
+            assert instantiate(node) is not None
+    if group == "callbacks":
+        callbacks = [instantiate(node) for node in cfg.callbacks.values()]
+        assert any(type(c).__name__ == "ModelCheckpoint" for c in callbacks)
+
+
+def test_drafter_v1_and_v2_differ_only_in_additions(tmp_path):
+    v1 = _compose(["drafter=dflash"], tmp_path).drafter
+    v2 = _compose(["drafter=dflash2"], tmp_path).drafter
+    assert not v1.use_local_conv and not v1.use_selector
+    assert v2.use_local_conv and v2.use_selector
+    diff = {k for k in v1 if v1[k] != v2[k]}
+    assert diff == {"version", "use_local_conv", "use_selector"}
+
+
+def test_experiments_set_the_task(tmp_path):
+    assert _compose(["experiment=target_tiny"], tmp_path).task == "target"
+    small = _compose(["experiment=target_small"], tmp_path)
+    assert small.target.name == "small" and small.trainer.accelerator == "gpu"
+    assert small.target.recipe.extra_sources[0].path == "site-packages"
+
+
+def test_unknown_override_is_one_line_error():
+    for bad in (["trainer.max_step=5"], ["drafter=dflsh"], ["nosuchkey=1"]):
+        message = check_overrides(bad)
+        assert message is not None and "\n" not in message and "override" in message
+    assert check_overrides(["trainer.max_steps=5", "drafter=dflash"]) is None
