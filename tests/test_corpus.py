@@ -1,0 +1,234 @@
+"""The embedded corpus: deterministic splits, file decoding, source errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash2.corpus import (
+    SPLITS,
+    corpus_fingerprint,
+    iter_documents,
+    load_documents,
+    site_packages_dir,
+    split_of,
+    stdlib_dir,
+)
+from dflash2.errors import DFlash2Error
+
+STDLIB = [{"kind": "stdlib"}]
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def stdlib_docs():
+    """Every stdlib document, read once (~1,800 files, < 1 s)."""
+    return load_documents(STDLIB, None)
+
+
+def _write(root: Path, rel: str, text: str) -> Path:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+# ---- split_of ---------------------------------------------------------------
+
+
+def test_split_of_is_deterministic_and_respects_fractions():
+    keys = [f"dir:x:file{i}.py" for i in range(20_000)]
+    splits = [split_of(k) for k in keys]
+    assert splits == [split_of(k) for k in keys]
+    for name, want in (("heldout", 0.02), ("validation", 0.02)):
+        assert abs(splits.count(name) / len(keys) - want) < 0.005
+    assert {split_of(k, 0.0, 0.0) for k in keys} == {"train"}
+    assert {split_of(k, 0.0, 0.999999) for k in keys[:100]} == {"heldout"}
+
+
+def test_split_of_agrees_across_processes():
+    """sha256, not hash(): a fresh interpreter with another hash seed agrees."""
+    keys = [f"stdlib:mod{i}.py" for i in range(300)]
+    code = ("import json,sys; from dflash2.corpus import split_of; "
+            "print(json.dumps([split_of(k) for k in json.loads(sys.argv[1])]))")
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(keys)], env=env, cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == [split_of(k) for k in keys]
+
+
+# ---- the stdlib default ------------------------------------------------------
+
+
+def test_stdlib_splits_are_disjoint_and_cover_everything(stdlib_docs):
+    keys = [d.key for d in stdlib_docs]
+    assert len(keys) == len(set(keys)) > 1000
+    assert keys == sorted(keys)
+    by_split = {s: {d.key for d in load_documents(STDLIB, s)} for s in SPLITS}
+    assert set().union(*by_split.values()) == set(keys)
+    assert sum(len(v) for v in by_split.values()) == len(keys)  # pairwise disjoint
+    assert all(split_of(k) == s for s, ks in by_split.items() for k in ks)
+    for small in ("validation", "heldout"):
+        assert 0.005 < len(by_split[small]) / len(keys) < 0.05
+    assert "stdlib:json/decoder.py" in keys
+    assert all(d.source == "stdlib" and d.text for d in stdlib_docs)
+
+
+def test_stdlib_excludes_site_packages_and_caches(stdlib_docs):
+    site = site_packages_dir()
+    if site.is_relative_to(stdlib_dir()):  # e.g. lib/python3.11/site-packages
+        prefix = "stdlib:" + site.relative_to(stdlib_dir()).as_posix() + "/"
+        assert not [d.key for d in stdlib_docs if d.key.startswith(prefix)]
+    for d in stdlib_docs:
+        parts = d.key.split(":", 1)[1].split("/")
+        assert not {"site-packages", "dist-packages", "__pycache__"} & set(parts), d.key
+        assert d.key.endswith(".py")
+
+
+def test_stdlib_non_utf8_files_decode_through_their_coding_cookie(stdlib_docs):
+    by_key = {d.key: d.text for d in stdlib_docs}
+    koi8 = "stdlib:test/encoded_modules/module_koi8_r.py"
+    if koi8 not in by_key:
+        pytest.skip("this Python has no koi8-r test module")
+    assert "Познание" in by_key[koi8]  # decoded as koi8-r, not as U+FFFD soup
+
+
+def test_max_documents_and_max_file_bytes():
+    few = list(iter_documents(STDLIB, "train", max_documents=5))
+    assert len(few) == 5 and all(split_of(d.key) == "train" for d in few)
+    small = load_documents(STDLIB, "heldout", max_file_bytes=2_000)
+    assert small and all(len(d.text.encode("utf-8", "replace")) <= 2_000 for d in small)
+
+
+# ---- dir sources -------------------------------------------------------------
+
+
+def test_dir_split_does_not_depend_on_other_files(tmp_path):
+    for i in range(50):
+        _write(tmp_path, f"pkg/m{i}.py", f"x = {i}\n")
+    source = [{"kind": "dir", "path": str(tmp_path), "name": "mine"}]
+    before = {d.key: split_of(d.key) for d in load_documents(source)}
+    assert set(before) == {f"dir:mine:pkg/m{i}.py" for i in range(50)}
+    for i in range(50, 300):
+        _write(tmp_path, f"other/n{i}.py", f"y = {i}\n")
+    after = {d.key: split_of(d.key) for d in load_documents(source)}
+    assert len(after) == 300
+    assert {k: after[k] for k in before} == before
+    heldout = {d.key for d in load_documents(source, "heldout")}
+    assert heldout == {k for k, s in after.items() if s == "heldout"}
+
+
+def test_dir_reads_non_utf8_skips_empty_hidden_and_caches(tmp_path):
+    (tmp_path / "latin.py").write_bytes(b"name = 'caf\xe9'\n")  # latin-1, no cookie
+    (tmp_path / "empty.py").write_bytes(b"")
+    _write(tmp_path, "__pycache__/c.py", "cached = 1\n")
+    _write(tmp_path, ".venv/v.py", "venv = 1\n")
+    _write(tmp_path, "notes.md", "# not python\n")
+    docs = load_documents([{"kind": "dir", "path": str(tmp_path)}])
+    assert [d.key for d in docs] == [f"dir:{tmp_path.name}:latin.py"]
+    assert docs[0].text == "name = 'caf\ufffd'\n" and docs[0].source == "dir"
+    md = load_documents([{"kind": "dir", "path": str(tmp_path), "glob": "*.md", "name": "n"}])
+    assert [d.key for d in md] == ["dir:n:notes.md"]
+
+
+def test_dir_errors_name_the_folder(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(DFlash2Error, match="nope.*does not exist"):
+        load_documents([{"kind": "dir", "path": str(missing)}])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DFlash2Error, match=f"{empty}.*\\*\\*/\\*\\.py"):
+        load_documents([{"kind": "dir", "path": str(empty)}])
+
+
+def test_bad_source_configs_raise_clear_errors(tmp_path):
+    with pytest.raises(DFlash2Error, match="valid kinds: stdlib, dir, hf"):
+        load_documents([{"kind": "github"}])
+    with pytest.raises(DFlash2Error, match="unknown keys.*'glb'"):
+        load_documents([{"kind": "dir", "path": str(tmp_path), "glb": "*.py"}])
+    with pytest.raises(DFlash2Error, match="unknown split"):
+        load_documents(STDLIB, "test")
+    with pytest.raises(DFlash2Error, match="distinct 'name'"):
+        load_documents([{"kind": "stdlib"}, {"kind": "stdlib"}])
+
+
+def test_omegaconf_sources_are_accepted(tmp_path):
+    omegaconf = pytest.importorskip("omegaconf")
+    _write(tmp_path, "a.py", "a = 1\n")
+    cfg = omegaconf.OmegaConf.create({"sources": [{"kind": "dir", "path": str(tmp_path), "name": "c"}]})
+    assert [d.key for d in load_documents(cfg.sources)] == ["dir:c:a.py"]
+
+
+# ---- hf sources ---------------------------------------------------------------
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch):
+    """Keep datasets' arrow cache inside the test's tmp dir."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+
+
+def test_hf_local_jsonl_loads_and_splits(tmp_path, hf_cache):
+    rows = [{"text": f"def f{i}():\n    return {i}\n", "id": i} for i in range(400)]
+    rows.append(rows[0])  # an exact duplicate is kept once
+    path = tmp_path / "code.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    source = [{"kind": "hf", "path": str(path)}]
+    docs = load_documents(source)
+    assert len(docs) == 400 and {d.source for d in docs} == {"hf"}
+    assert all(d.key.startswith("hf:code:") and len(d.key) == len("hf:code:") + 16 for d in docs)
+    assert {d.text for d in docs} == {r["text"] for r in rows}
+    held = load_documents(source, "heldout")
+    assert held and {d.key for d in held} == {d.key for d in docs if split_of(d.key) == "heldout"}
+    # The key hashes the content: reversing the rows changes no document's split.
+    path.write_text("\n".join(json.dumps(r) for r in reversed(rows)) + "\n")
+    assert {d.key for d in load_documents(source, "heldout")} == {d.key for d in held}
+
+
+def test_hf_jsonl_bad_line_is_reported_with_its_number(tmp_path, hf_cache):
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"text": "a"}\n{"text": "b"}\n{"text": "c\n{"text": "d"}\n')
+    with pytest.raises(DFlash2Error, match="broken.jsonl.*line 3"):
+        load_documents([{"kind": "hf", "path": str(path)}])
+
+
+def test_hf_missing_text_field_lists_columns(tmp_path, hf_cache):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"content": "a", "lang": "py"}\n')
+    with pytest.raises(DFlash2Error, match="no column 'text'.*content.*lang"):
+        load_documents([{"kind": "hf", "path": str(path)}])
+    docs = load_documents([{"kind": "hf", "path": str(path), "text_field": "content"}])
+    assert [d.text for d in docs] == ["a"]
+
+
+def test_hf_missing_local_file_and_unreachable_hub(tmp_path, hf_cache, monkeypatch):
+    with pytest.raises(DFlash2Error, match="gone.jsonl.*does not exist"):
+        load_documents([{"kind": "hf", "path": str(tmp_path / "gone.jsonl")}])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(pytest.importorskip("datasets").config, "HF_HUB_OFFLINE", True, raising=False)
+    with pytest.raises(DFlash2Error, match="hub.*local"):
+        load_documents([{"kind": "hf", "path": "dflash2-no-such-owner/no-such-dataset"}])
+
+
+# ---- fingerprint ---------------------------------------------------------------
+
+
+def test_fingerprint_tracks_files_and_settings(tmp_path):
+    _write(tmp_path, "a.py", "a = 1\n")
+    source = [{"kind": "dir", "path": str(tmp_path)}]
+    first = corpus_fingerprint(source, "train")
+    assert first == corpus_fingerprint(source, "train")
+    assert first != corpus_fingerprint(source, "heldout")
+    assert first != corpus_fingerprint(source, "train", max_file_bytes=10)
+    _write(tmp_path, "b.py", "b = 2\n")
+    second = corpus_fingerprint(source, "train")
+    assert second != first
+    _write(tmp_path, "b.py", "b = 22\n")  # same name, new size
+    assert corpus_fingerprint(source, "train") != second
+    (tmp_path / "b.py").unlink()
+    assert corpus_fingerprint(source, "train") == first
+    assert len(corpus_fingerprint(STDLIB, "train")) == 16
