@@ -1,0 +1,126 @@
+"""Drafter configuration (DESIGN §2, §3).
+
+One dataclass covers DFlash v1 and DFlash2: v1 is simply ``use_local_conv=False,
+use_selector=False``, so every DFlash2 ablation runs the same code with a flag
+flipped. Serialised as a plain dict (``to_dict`` / ``from_dict``) inside the
+exported ``config.json`` (see ``dflash2.drafter.io``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from dflash2.errors import DFlash2Error
+
+
+@dataclass
+class DrafterConfig:
+    # --- Qwen3-style decoder stack at the target's width (DESIGN §2) ---
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float  # must equal the target's RoPE base (a mismatch fails silently, §7)
+    max_position_embeddings: int
+    # --- tied to the frozen target ---
+    vocab_size: int  # the TARGET's vocab: the drafter has no embedding / LM head
+    target_hidden_size: int  # width d_t of each tapped target feature
+    # Decoder layer ids whose *outputs* are tapped (HF hidden_states[id + 1]).
+    target_layer_ids: list[int]
+    mask_token_id: int  # an unused id *inside* the target vocab
+    rms_norm_eps: float = 1e-6  # Qwen3's value
+    num_target_layers: int | None = None  # the target's depth, when known (export only)
+    block_size: int = 8  # DFlash2 releases use 8 (the v1 paper used 16)
+    # --- DFlash2 additions (§3); both off == DFlash v1 ---
+    use_local_conv: bool = False
+    conv_kernel_size: int = 2  # released setting: taps t = 0, 1
+    conv_group_size: int = 16  # released setting: channels per dynamic-kernel group
+    use_selector: bool = False
+    selector_rank: int = 256  # released setting
+    selector_top_k: int = 16  # the right token is in the top-16 99.5% of the time (§3)
+    # --- provenance ---
+    target_name_or_path: str | None = None
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def num_taps(self) -> int:
+        """K, the number of tapped target layers (``fc`` maps K·d_t -> d)."""
+        return len(self.target_layer_ids)
+
+    @property
+    def conv_groups(self) -> int:
+        """Dynamic-kernel channel groups of the local conv (hidden // group size)."""
+        return self.hidden_size // self.conv_group_size
+
+    @property
+    def is_v2(self) -> bool:
+        return bool(self.use_local_conv or self.use_selector)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["target_layer_ids"] = list(d["target_layer_ids"])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DrafterConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise DFlash2Error(
+                f"drafter config has unknown field(s) {unknown[:5]}; "
+                f"remove them or fix the spelling (known: {sorted(known)})"
+            )
+        required = {f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        missing = sorted(required - set(d))
+        if missing:
+            raise DFlash2Error(f"drafter config is missing required field(s) {missing}; add them")
+        cfg = cls(**d)
+        cfg.target_layer_ids = [int(i) for i in cfg.target_layer_ids]
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> "DrafterConfig":
+        """Raise DFlash2Error naming the first inconsistent field and the fix."""
+
+        def need(ok: bool, msg: str):
+            if not ok:
+                raise DFlash2Error(f"drafter config: {msg}")
+
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings", "vocab_size", "target_hidden_size"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and v > 0, f"{name}={v!r} must be a positive integer")
+        need(self.num_attention_heads % self.num_key_value_heads == 0,
+             f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+             f"num_key_value_heads={self.num_key_value_heads} (GQA)")
+        need(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+        need(self.rms_norm_eps > 0, f"rms_norm_eps={self.rms_norm_eps} must be > 0")
+        need(self.rope_theta > 0, f"rope_theta={self.rope_theta} must be > 0")
+        need(len(self.target_layer_ids) > 0, "target_layer_ids is empty; list at least one target layer")
+        need(all(i >= 0 for i in self.target_layer_ids),
+             f"target_layer_ids={self.target_layer_ids} must be >= 0")
+        if self.num_target_layers is not None:
+            need(max(self.target_layer_ids) < self.num_target_layers,
+                 f"target_layer_ids={self.target_layer_ids} must be < num_target_layers="
+                 f"{self.num_target_layers}")
+        need(isinstance(self.block_size, int) and self.block_size >= 2,
+             f"block_size={self.block_size} must be >= 2 (anchor + at least one drafted token)")
+        need(0 <= self.mask_token_id < self.vocab_size,
+             f"mask_token_id={self.mask_token_id} must lie in [0, vocab_size={self.vocab_size}); "
+             f"pick an unused id of the target vocab")
+        if self.use_local_conv:
+            need(1 <= self.conv_kernel_size <= self.block_size,
+                 f"conv_kernel_size={self.conv_kernel_size} must be in [1, block_size={self.block_size}]")
+            need(self.conv_group_size > 0 and self.hidden_size % self.conv_group_size == 0,
+                 f"hidden_size={self.hidden_size} must be divisible by "
+                 f"conv_group_size={self.conv_group_size}")
+        if self.use_selector:
+            need(self.selector_rank > 0, f"selector_rank={self.selector_rank} must be > 0")
+            need(1 <= self.selector_top_k <= self.vocab_size,
+                 f"selector_top_k={self.selector_top_k} must be in [1, vocab_size={self.vocab_size}]")
+        return self

@@ -1,0 +1,88 @@
+"""Block-sparse attention masks for training every block of a sequence in one pass (§2).
+
+Layout (shared by the dense and the flex mask, and by ``DFlashDrafter.forward``):
+
+* queries: S = A·B block tokens; block j (anchor j) occupies rows j·B .. j·B+B-1.
+* keys:    [L context positions ; S block tokens] (context first, as in KV injection).
+
+Rules (True = may attend):
+
+* block j sees context key p iff p < anchors[j] (context strictly before its anchor:
+  at decode time the anchor is the last verified token and the target has not yet
+  produced features for it), and only when the anchor is valid;
+* block j sees all B tokens of its own block (bidirectional), nothing of other blocks;
+* an invalid (padding) anchor sees its own block only. Every row therefore has at
+  least one visible key, so softmax never produces NaN; the caller masks its loss.
+
+The context key index equals the context position (context positions are 0..L-1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def dense_block_mask(
+    anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, block_size: int
+) -> torch.Tensor:
+    """Dense boolean mask for SDPA.
+
+    anchors: (N, A) long, anchor_valid: (N, A) bool.
+    Returns (N, 1, S, L+S) bool with S = A·B; True = may attend.
+    """
+    N, A = anchors.shape
+    B, L = block_size, context_len
+    S = A * B
+    dev = anchors.device
+    q_block = torch.arange(S, device=dev) // B  # (S,) block index of each query row
+    # context part: key p visible iff p < anchor of the query's block (and anchor valid)
+    anchor_q = anchors[:, q_block]  # (N, S)
+    valid_q = anchor_valid[:, q_block]  # (N, S)
+    ctx = torch.arange(L, device=dev)  # (L,)
+    ctx_ok = (ctx[None, None, :] < anchor_q[:, :, None]) & valid_q[:, :, None]  # (N, S, L)
+    # block part: same block only (bidirectional inside it)
+    blk_ok = q_block[:, None] == q_block[None, :]  # (S, S)
+    blk_ok = blk_ok[None].expand(N, S, S)
+    return torch.cat([ctx_ok, blk_ok], dim=-1)[:, None]  # (N, 1, S, L+S)
+
+
+def block_mask_mod(anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, block_size: int):
+    """The same rule as ``dense_block_mask`` as a FlexAttention ``mask_mod(b, h, q, kv)``."""
+    L, B = context_len, block_size
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        blk = q_idx // B
+        is_ctx = kv_idx < L
+        ctx_ok = is_ctx & (kv_idx < anchors[b, blk]) & anchor_valid[b, blk]
+        # for context keys (kv_idx - L) // B is negative, so this never fires for them
+        blk_ok = (~is_ctx) & ((kv_idx - L) // B == blk)
+        return ctx_ok | blk_ok
+
+    return mask_mod
+
+
+def flex_block_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, block_size: int):
+    """FlexAttention ``BlockMask`` with the semantics of ``dense_block_mask``.
+
+    Shape (N, 1, S, L+S); heads broadcast. Imported lazily: flex is only used on CUDA,
+    where it skips fully-masked 128x128 tiles (most of them: blocks never see each other).
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    N, A = anchors.shape
+    S = A * block_size
+    mod = block_mask_mod(anchors, anchor_valid, context_len, block_size)
+    return create_block_mask(mod, B=N, H=None, Q_LEN=S, KV_LEN=context_len + S, device=anchors.device)
+
+
+def context_padding_mask(lengths: torch.Tensor, context_slots: int, block_len: int) -> torch.Tensor:
+    """Decode-time mask for one block per row over [context slots ; block].
+
+    lengths: (N,) long, valid cached context per row (slots >= length are padding).
+    Returns (N, 1, block_len, context_slots + block_len) bool.
+    """
+    N = lengths.shape[0]
+    ctx_ok = torch.arange(context_slots, device=lengths.device)[None, :] < lengths[:, None]  # (N, C)
+    blk_ok = torch.ones(N, block_len, dtype=torch.bool, device=lengths.device)  # bidirectional
+    row = torch.cat([ctx_ok, blk_ok], dim=-1)  # (N, C+T)
+    return row[:, None, None, :].expand(N, 1, block_len, context_slots + block_len)

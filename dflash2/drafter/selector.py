@@ -1,0 +1,184 @@
+"""DFlash2 candidate selector (DESIGN §3).
+
+The drafter's top-1 accuracy decays along the block while the right token is almost
+always in its top-k. The selector re-ranks the k candidates of every drafted position
+with a pairwise term that looks at the chosen predecessor:
+
+    score(l, p -> c) = unary[l, c] + Σ_r P[p, r] · Hh_l[r] · S[c, r]
+
+with unary the drafter logit of c at position l, P / S the predecessor / successor
+codebooks [V, r], Hh_l = hidden_projection(h_l) and p the token chosen at l-1 (the
+anchor at l = 0). A path is walked from the anchor: greedy at T=0, sampled at T>0.
+
+Shapes: N rows (blocks), P = B-1 drafted positions, k candidates, V vocab, r rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CandidateSelector(nn.Module):
+    def __init__(self, vocab: int, hidden: int, rank: int = 256, top_k: int = 16, init_std: float = 0.02):
+        super().__init__()
+        self.vocab, self.rank, self.top_k = vocab, rank, top_k
+        # Plain Parameters (not nn.Embedding) so the state-dict keys are exactly
+        # candidate_selector.{predecessor,successor}_codebook (vLLM's names).
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab, rank))
+        self.hidden_projection = nn.Linear(hidden, rank, bias=False)
+        self.init_std = init_std
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # Small init: the pair term is a product of three ~0.02-scale factors, i.e. ~0,
+        # so a fresh selector's path is the per-position argmax of the drafter.
+        if self.predecessor_codebook.is_meta:  # built on "meta" to be loaded: nothing to init
+            return
+        for p in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection.weight):
+            nn.init.normal_(p, std=self.init_std)
+
+    # ------------------------------------------------------------------ scoring
+    def candidates(self, logits: torch.Tensor):
+        """logits (N, P, V) -> cand_ids (N, P, k) sorted by logit desc, unary (N, P, k) raw logits."""
+        unary, cand_ids = torch.topk(logits, self.top_k, dim=-1)
+        return cand_ids, unary
+
+    def edge_scores(self, hidden, pred_ids, cand_ids, unary):
+        """Edge scores from predecessor(s) to the k candidates.
+
+        hidden (N, P, d); pred_ids (N, P) -> returns (N, P, k),
+        or pred_ids (N, P, m) (m predecessors per position) -> returns (N, P, m, k).
+        cand_ids / unary: (N, P, k). Scores are fp32 (they feed argmax / softmax).
+        """
+        hh = self.hidden_projection(hidden)  # (N, P, r)
+        succ = self.successor_codebook[cand_ids]  # (N, P, k, r)
+        pred = self.predecessor_codebook[pred_ids]  # (N, P, r) or (N, P, m, r)
+        if pred_ids.dim() == 2:
+            pair = torch.einsum("npr,npkr->npk", pred * hh, succ)  # (N, P, k)
+            return unary.float() + pair.float()
+        pair = torch.einsum("npmr,npkr->npmk", pred * hh[:, :, None, :], succ)  # (N, P, m, k)
+        return unary.float()[:, :, None, :] + pair.float()
+
+    def _step(self, hidden, cand_ids, unary, l: int, pred: torch.Tensor) -> torch.Tensor:
+        """Scores (N, k) at position l from predecessors pred (N,)."""
+        s = self.edge_scores(hidden[:, l : l + 1], pred[:, None], cand_ids[:, l : l + 1], unary[:, l : l + 1])
+        return s[:, 0]
+
+    # ------------------------------------------------------------------ paths
+    @torch.no_grad()
+    def greedy_path(self, hidden, logits, anchor_ids) -> torch.Tensor:
+        """T=0 path: at each l pick the argmax edge from the token chosen at l-1.
+
+        hidden (N, P, d), logits (N, P, V), anchor_ids (N,) -> tokens (N, P).
+        Ties go to the lowest candidate index (= higher drafter logit; torch.argmax
+        returns the first maximum).
+        """
+        cand_ids, unary = self.candidates(logits)
+        pred, out = anchor_ids, []
+        for l in range(cand_ids.shape[1]):
+            best = self._step(hidden, cand_ids, unary, l, pred).argmax(-1)  # (N,)
+            pred = cand_ids[:, l].gather(-1, best[:, None])[:, 0]
+            out.append(pred)
+        return torch.stack(out, dim=1)
+
+    @torch.no_grad()
+    def viterbi_path(self, hidden, logits, anchor_ids) -> torch.Tensor:
+        """Exact argmax over all k^P paths of the summed edge scores (max-sum DP).
+
+        For analysis (how much greedy loses); same shapes as ``greedy_path``.
+        """
+        cand_ids, unary = self.candidates(logits)
+        N, P, k = cand_ids.shape
+        best = self._step(hidden, cand_ids, unary, 0, anchor_ids)  # (N, k) best path score ending in cand
+        back = []
+        if P > 1:
+            # all pair scores at once: predecessors are the k candidates of l-1
+            pair = self.edge_scores(hidden[:, 1:], cand_ids[:, :-1], cand_ids[:, 1:], unary[:, 1:])
+            for l in range(1, P):
+                tot = best[:, :, None] + pair[:, l - 1]  # (N, k_prev, k)
+                best, arg = tot.max(dim=1)  # (N, k), (N, k)
+                back.append(arg)
+        idx = best.argmax(-1)  # (N,) candidate index at the last position
+        path = [idx]
+        for arg in reversed(back):
+            idx = arg.gather(-1, idx[:, None])[:, 0]
+            path.append(idx)
+        path = torch.stack(path[::-1], dim=1)  # (N, P) candidate indices
+        return cand_ids.gather(-1, path[..., None])[..., 0]
+
+    @torch.no_grad()
+    def sample_path(self, hidden, logits, anchor_ids, temperature: float, generator=None):
+        """T>0 path: sample position by position from softmax(edge scores / T) over
+        the k candidates, given the *sampled* predecessor.
+
+        Returns tokens (N, P) and q (N, P, V): q[:, l] is the exact distribution the
+        token at l was drawn from, conditioned on the sampled prefix (zero outside the
+        candidates). That conditional is what sequential rejection sampling (§4) needs:
+        position l is only tested after positions < l were accepted, i.e. exactly
+        when the target's prefix equals the sampled prefix.
+        """
+        assert temperature > 0, "use greedy_path for temperature 0"
+        cand_ids, unary = self.candidates(logits)
+        N, P, k = cand_ids.shape
+        q = torch.zeros(N, P, self.vocab, dtype=torch.float32, device=logits.device)
+        pred, out = anchor_ids, []
+        for l in range(P):
+            probs = torch.softmax(self._step(hidden, cand_ids, unary, l, pred) / temperature, dim=-1)  # (N, k)
+            pick = torch.multinomial(probs, 1, generator=generator)  # (N, 1)
+            q[:, l].scatter_(-1, cand_ids[:, l], probs)  # candidates are distinct (top-k)
+            pred = cand_ids[:, l].gather(-1, pick)[:, 0]
+            out.append(pred)
+        return torch.stack(out, dim=1), q
+
+    # ------------------------------------------------------------------ training
+    def loss(self, hidden, logits, anchor_ids, labels, label_mask, weight=None, detach_hidden: bool = True):
+        """Teacher-forced candidate-set cross-entropy.
+
+        hidden (N, P, d), logits (N, P, V), anchor_ids (N,), labels (N, P) long,
+        label_mask (N, P) bool, weight optional (P,) or (N, P) per-position weights
+        (e.g. the drafter's w_k). Returns (loss scalar, stats dict of detached 0-d tensors: no host sync).
+
+        * Predecessor at l is the TRUE previous token (anchor at l=0, labels[l-1]
+          after), as the path would be after l accepted tokens.
+        * Candidates = top-k of logits.detach(); the unary term is the detached
+          logit. Detached because the selector must not distort the drafter's own CE:
+          the drafter logits are trained only by the drafter loss, the selector only
+          learns the pairwise correction on top of them.
+        * ``detach_hidden=True`` (default) also stops the selector gradient at the
+          drafter hidden state, for the same reason: the selector is a pure head and a
+          v2 drafter's backbone sees exactly the v1 objective. Pass False to let the
+          pairwise term shape the backbone (a joint-training ablation).
+        * CE over the k candidate scores with target = the label's candidate index,
+          only where the label is among the candidates (and label_mask); a label
+          outside the top-k cannot be produced by any path, so it carries no signal.
+        Stats: coverage (label in top-k, over label_mask), top1 (drafter argmax right),
+        acc (selector argmax right, teacher-forced), all over label_mask.
+        """
+        logits = logits.detach()
+        if detach_hidden:
+            hidden = hidden.detach()
+        safe = labels.masked_fill(~label_mask, 0)  # (N, P) in-vocab ids for indexing
+        pred_ids = torch.cat([anchor_ids[:, None], safe[:, :-1]], dim=1)  # (N, P)
+        cand_ids, unary = self.candidates(logits)  # (N, P, k)
+        scores = self.edge_scores(hidden, pred_ids, cand_ids, unary)  # (N, P, k) fp32
+        match = cand_ids == safe[..., None]  # (N, P, k)
+        covered = match.any(-1) & label_mask  # (N, P)
+        target = match.float().argmax(-1)  # (N, P), 0 where not covered (masked out)
+        ce = F.cross_entropy(scores.flatten(0, 1), target.flatten(), reduction="none").view_as(target)
+        w = covered.float()
+        if weight is not None:
+            w = w * weight.to(w.dtype).expand_as(w)
+        loss = (ce * w).sum() / w.sum().clamp_min(1e-6)  # 0 (with a graph) when nothing is covered
+        with torch.no_grad():
+            m = label_mask.float()
+            denom = m.sum().clamp_min(1.0)
+            right = scores.argmax(-1) == target
+            stats = {
+                "coverage": covered.float().sum() / denom,
+                "top1": ((target == 0) & covered).float().sum() / denom,
+                "acc": (right & covered).float().sum() / denom,
+            }
+        return loss, stats
