@@ -13,7 +13,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# One thread: tiny test models gain nothing from more, and oversubscribed OpenMP
+# threads (several processes on 2 cores) slow small matmuls down by 10-40x.
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -23,3 +25,147 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+MICRO_RECIPE = {
+    "vocab_size": 320,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "full_attention_interval": 4,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 2,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "max_position_embeddings": 1024,
+}
+
+
+@pytest.fixture(scope="session")
+def micro_target_dir(tmp_path_factory):
+    """A random-weight 3:1 hybrid target with a real BPE tokenizer, saved as an HF folder (seconds)."""
+    from dflash2.corpus import load_documents
+    from dflash2.target_recipe import hybrid_target_config
+    from dflash2.tokenizer import train_bpe_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    docs = load_documents([{"kind": "stdlib"}], "train", max_documents=60)
+    tokenizer = train_bpe_tokenizer((d.text for d in docs), vocab_size=MICRO_RECIPE["vocab_size"], max_train_bytes=400_000)
+    config = hybrid_target_config(MICRO_RECIPE, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    out = tmp_path_factory.mktemp("micro_target")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def micro_train_overrides(micro_target_dir, tmp_path_factory):
+    """Hydra overrides that make `python train.py` run in seconds on the micro target.
+
+    One cache folder for the session: regenerated data is keyed by a fingerprint
+    of target + corpus + settings, so runs with the same data share it.
+    """
+    cache = tmp_path_factory.mktemp("dflash2_cache")
+    return [
+        f"paths.cache_dir={cache}",
+        f"target.path={micro_target_dir}",
+        "target.target_layer_ids=[0,1,2]",
+        "data.num_train_prompts=24",
+        "data.num_val_prompts=8",
+        "data.response_tokens=24",
+        "data.prompt_min_tokens=8",
+        "data.prompt_max_tokens=16",
+        "data.generation_batch_size=8",
+        "data.batch_size=4",
+        "drafter.num_hidden_layers=1",
+        "drafter.num_attention_heads=2",
+        "drafter.num_key_value_heads=1",
+        "drafter.num_anchors=6",
+        "drafter.selector_rank=16",
+        "drafter.selector_top_k=4",
+        "drafter.lr=3e-3",
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=3",
+        "trainer.log_every_n_steps=1",
+        "trainer.enable_progress_bar=false",
+        "~callbacks.progress_bar",
+        "callbacks.model_checkpoint.every_n_train_steps=3",
+        "logger=csv",
+    ]
+
+
+# ---------------------------------------------------------------- spec decoding (issue 4)
+# Tiny random fp32 targets + drafters shared by test_spec_*.py, test_gdn_rollback.py and
+# test_eval_acceptance.py. initializer_range 0.1 (not HF's 0.02): greedy outputs of random
+# models stay diverse for 200+ tokens and top-2 logit margins stay >= 1e-3, far above fp32
+# rounding, so "spec == greedy token for token" tests the algorithm, not near-ties.
+SPEC_VOCAB = 128
+
+
+def spec_target_config(kind: str, vocab_size: int = SPEC_VOCAB, hidden_size: int = 32):
+    import transformers
+
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, initializer_range=0.1,
+                  max_position_embeddings=1024)
+    if kind == "qwen3":
+        return transformers.Qwen3Config(num_hidden_layers=2, **common)
+    # Qwen3.5 text: 3 Gated DeltaNet : 1 attention, as the real hybrids (DESIGN §5)
+    return transformers.Qwen3_5TextConfig(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                          linear_value_head_dim=8, **common)
+
+
+def spec_target(kind: str, seed: int = 0, **kw):
+    """A frozen TargetModel around a random tiny HF model, taps at layers [0, 1]."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash2.target import TargetModel
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(spec_target_config(kind, **kw)).float()
+    return TargetModel(model, target_layer_ids=[0, 1])
+
+
+def spec_drafter(target, block_size: int, v2: bool = False, seed: int = 1):
+    """A random DFlash (v1) or DFlash2 (conv + selector) drafter matching ``target``."""
+    from dflash2.drafter import DFlashDrafter, DrafterConfig
+
+    cfg = DrafterConfig(hidden_size=target.hidden_size, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
+                        max_position_embeddings=1024, vocab_size=target.vocab_size,
+                        target_hidden_size=target.hidden_size, target_layer_ids=list(target.target_layer_ids),
+                        mask_token_id=target.vocab_size - 1, block_size=block_size, use_local_conv=v2,
+                        conv_group_size=8, use_selector=v2, selector_rank=8, selector_top_k=4)
+    torch.manual_seed(seed)
+    return DFlashDrafter(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def spec_targets():
+    """{'qwen3': attention target, 'qwen3_5': hybrid GDN target}, random weights, built once."""
+    return {kind: spec_target(kind) for kind in ("qwen3", "qwen3_5")}
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """Tiny models: intra-op threads only add sync overhead (and thrash on a shared 2-core box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def make_spec_target():
+    return spec_target
+
+
+@pytest.fixture(scope="session")
+def make_spec_drafter():
+    return spec_drafter

@@ -38,28 +38,37 @@ def code_prompt_batches(documents, tokenizer, *, num_prompts: int, min_tokens: i
     if min_tokens < 1 or max_tokens < min_tokens:
         raise DFlash2Error(f"data.prompt_min_tokens={min_tokens} / prompt_max_tokens={max_tokens}: need 1 <= min <= max")
     rng = np.random.default_rng(seed)
-    encoded = [(d.key, tokenizer(d.text, add_special_tokens=False)["input_ids"]) for d in documents]
-    encoded = [(k, ids) for k, ids in encoded if len(ids) >= min_tokens]
-    if not encoded:
-        raise DFlash2Error(f"no document has at least data.prompt_min_tokens={min_tokens} tokens; lower it or add corpus sources")
-    batches, made = [], 0
-    order = rng.permutation(len(encoded))
-    cursor = 0
+    documents = list(documents)
+    if not documents:
+        raise DFlash2Error("no documents to draw prompts from; check data.sources")
+    # Encode lazily and only a text prefix long enough for the longest prompt
+    # (~12 chars/token is generous for code): the corpus is tens of MB and a
+    # run needs a few hundred prompts.
+    encoded: dict[int, list[int]] = {}
+
+    def tokens_of(i: int) -> list[int]:
+        if i not in encoded:
+            encoded[i] = tokenizer(documents[i].text[: max_tokens * 12], add_special_tokens=False)["input_ids"]
+        return encoded[i]
+
+    order = rng.permutation(len(documents))
+    batches, made, cursor = [], 0, 0
     while made < num_prompts:
         n = min(batch_size, num_prompts - made)
         length = int(rng.integers(min_tokens, max_tokens + 1))
         rows, keys, tries = [], [], 0
-        while len(rows) < n and tries < 20 * len(encoded):
-            key, ids = encoded[order[cursor % len(order)]]
+        while len(rows) < n and tries < 4 * len(documents):
+            i = int(order[cursor % len(order)])
             cursor += 1
             tries += 1
+            ids = tokens_of(i)
             if len(ids) >= length:
                 rows.append(ids[:length])
-                keys.append(key)
-        if len(rows) < n:  # no document this long: draw a shorter length
-            max_tokens = max(min_tokens, length - 1)
+                keys.append(documents[i].key)
+        if len(rows) < n:
             if length == min_tokens:
-                raise DFlash2Error("could not draw prompts: documents too short for data.prompt_min_tokens")
+                raise DFlash2Error(f"no document has at least data.prompt_min_tokens={min_tokens} tokens; lower it or add corpus sources")
+            max_tokens = max(min_tokens, length - 1)  # no document this long: draw shorter prompts
             continue
         batches.append(PromptBatch(np.asarray(rows, dtype=np.int64), keys))
         made += n

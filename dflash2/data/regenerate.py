@@ -57,17 +57,17 @@ def generation_settings(data: dict, split: str, num_prompts: int, seed: int) -> 
 
 
 @torch.no_grad()
-def generate_responses(model, prompt_ids: torch.Tensor, *, max_new_tokens: int, eos_token_id: int, pad_token_id: int, sample: bool, temperature: float, generator: torch.Generator | None = None) -> torch.Tensor:
+def generate_responses(target, prompt_ids: torch.Tensor, *, max_new_tokens: int, eos_token_id: int, pad_token_id: int, sample: bool, temperature: float, generator: torch.Generator | None = None) -> torch.Tensor:
     """Plain KV-cached decoding of a batch of equal-length prompts.
 
-    prompt_ids: (n, P) int64. Returns (n, max_new_tokens) int64 where tokens
+    `target` is a TargetModel; prompt_ids: (n, P) int64. Returns (n, max_new_tokens) int64 where tokens
     after a row's first EOS are `pad_token_id`. Greedy when `sample` is False.
     Written out (rather than `generate`) so the sampling RNG is an explicit
     generator and the loop is identical across transformers versions.
     """
-    device = next(model.parameters()).device
+    device = next(target.model.parameters()).device
     ids = prompt_ids.to(device)
-    out = model(input_ids=ids, use_cache=True)
+    out = target(ids, use_cache=True)  # TargetModel hides the cache-kwarg rename across transformers versions
     cache, logits = out.past_key_values, out.logits[:, -1]
     finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
     tokens = []
@@ -82,7 +82,7 @@ def generate_responses(model, prompt_ids: torch.Tensor, *, max_new_tokens: int, 
         finished |= nxt == eos_token_id
         if bool(finished.all()):
             break
-        out = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
+        out = target(nxt[:, None], past_key_values=cache)
         cache, logits = out.past_key_values, out.logits[:, -1]
     result = torch.stack(tokens, dim=1)
     if result.shape[1] < max_new_tokens:
@@ -122,13 +122,13 @@ def regenerate_split(target, data: dict, *, split: str, num_prompts: int, seed: 
     )
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     generator = torch.Generator().manual_seed(seed)
-    model = target.model.to(device)
+    target.model.to(device)
     rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "prompt_len": []}
     response_len = int(data["response_tokens"])
     for batch in tqdm(batches, desc=f"regenerating {split} responses", unit="batch"):
         prompt = torch.from_numpy(batch.input_ids)
         response = generate_responses(
-            model, prompt, max_new_tokens=response_len, eos_token_id=eos, pad_token_id=pad,
+            target, prompt, max_new_tokens=response_len, eos_token_id=eos, pad_token_id=pad,
             sample=data["sampling"] == "sample", temperature=float(data["temperature"]), generator=generator,
         )
         for p, r in zip(prompt.tolist(), response.tolist()):

@@ -33,14 +33,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     seed = int(cfg.seed)
     target = load_target(cfg, target_dir)
     data = plain(cfg.data)
-    cache_dir = Path(cfg.paths.cache_dir)
-    device = regeneration_device(cfg)
-    common = dict(seed=seed, cache_dir=cache_dir, target_id=str(target_dir), device=device)
-    train_ds = regenerate_split(target, data, split="train", num_prompts=int(data["num_train_prompts"]), **common)
-    val_ds = regenerate_split(target, data, split="validation", num_prompts=int(data["num_val_prompts"]), **common)
-    target.model.cpu()
-    print(f"[dflash2] data: {len(train_ds)} train / {len(val_ds)} validation regenerated sequences (cache {cache_dir / 'data'})", flush=True)
-
+    # Validate the drafter against the target before spending time on data.
     settings = plain(cfg.drafter)
     config = drafter_config_for_target(settings, target)
     if settings.get("init_from"):
@@ -49,6 +42,15 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     else:
         torch.manual_seed(seed)
         drafter = DFlashDrafter(config)
+    resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
+
+    cache_dir = Path(cfg.paths.cache_dir)
+    device = regeneration_device(cfg)
+    common = dict(seed=seed, cache_dir=cache_dir, target_id=str(target_dir), device=device)
+    train_ds = trainable_rows(regenerate_split(target, data, split="train", num_prompts=int(data["num_train_prompts"]), **common), "train")
+    val_ds = trainable_rows(regenerate_split(target, data, split="validation", num_prompts=int(data["num_val_prompts"]), **common), "validation")
+    target.model.cpu()
+    print(f"[dflash2] data: {len(train_ds)} train / {len(val_ds)} validation regenerated sequences (cache {cache_dir / 'data'})", flush=True)
     n_params = sum(p.numel() for p in drafter.parameters())
     print(f"[dflash2] drafter: {settings['version']} ({n_params / 1e6:.2f} M params, block {config.block_size}, taps {config.target_layer_ids})", flush=True)
 
@@ -64,7 +66,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     datamodule = DrafterDataModule(train_ds, val_ds, batch_size=int(data["batch_size"]), total_steps=total_steps, seed=seed, pad_id=pad_id, num_workers=int(data["num_workers"]))
     loggers = instantiate_loggers(cfg)
     trainer: L.Trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=instantiate_callbacks(cfg))
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg.get("ckpt_path"), output_dir))
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
 
     drafter_dir = output_dir / "drafter"
     save_drafter(drafter.float().cpu(), drafter_dir)
@@ -77,6 +79,21 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     (output_dir / "train_summary.json").write_text(json.dumps(report, indent=2))
     print(format_heldout_report(report), flush=True)
     return report
+
+
+def trainable_rows(dataset, split: str):
+    """Keep sequences with at least one anchor (two consecutive response tokens, §2); error if none is left."""
+    def has_anchor(row) -> bool:
+        m = row["loss_mask"]
+        return any(m[i] and m[i + 1] for i in range(1, len(m) - 1))
+
+    kept = dataset.filter(has_anchor, desc=f"filtering {split}")
+    if len(kept) == 0:
+        raise DFlash2Error(
+            f"the {split} data is empty after filtering: none of {len(dataset)} regenerated sequences has two consecutive "
+            f"response tokens to anchor a block; raise data.response_tokens or check that the target does not stop at once"
+        )
+    return kept
 
 
 def resolve_ckpt_path(ckpt_path, output_dir: Path):

@@ -1,0 +1,87 @@
+"""Hydra front door of ``python -m eval.acceptance`` (config: ``configs/eval_acceptance.yaml``).
+
+The only Hydra user in ``dflash2.eval``; the work is done by the Hydra-free
+``evaluate_acceptance``. The yaml is registered in Hydra's ConfigStore instead of
+being found through ``config_path``: the ``configs/`` folder also holds the
+training groups ``target/`` and ``drafter/``, and Hydra would read ``target=DIR``
+as a group choice there. Every user error prints one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+from dflash2.errors import DFlash2Error
+
+log = logging.getLogger(__name__)
+CONFIG_NAME = "eval_acceptance"
+
+
+def config_file() -> Path:
+    """configs/eval_acceptance.yaml of the project: $PROJECT_ROOT, the source checkout, or the cwd."""
+    roots = [os.environ.get("PROJECT_ROOT"), Path(__file__).resolve().parents[2], Path.cwd()]
+    for root in filter(None, roots):
+        path = Path(root) / "configs" / f"{CONFIG_NAME}.yaml"
+        if path.is_file():
+            return path
+    raise DFlash2Error(f"configs/{CONFIG_NAME}.yaml not found; run from the project root or set PROJECT_ROOT")
+
+
+def run(cfg) -> dict:
+    """Load drafter, target and prompts from the composed config and evaluate; returns the results dict."""
+    import torch
+
+    from dflash2.drafter.io import load_drafter
+    from dflash2.eval.acceptance import evaluate_acceptance
+    from dflash2.eval.prompts import load_prompts
+    from dflash2.target import TargetModel
+
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_missing(cfg, "drafter") or not cfg.drafter:
+        raise DFlash2Error("no drafter given; pass drafter=DIR (a folder written by training or save_drafter)")
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    drafter = load_drafter(str(cfg.drafter), device=device)
+    target_path = cfg.target or drafter.config.target_name_or_path
+    if not target_path:
+        raise DFlash2Error("no target given and the drafter does not record one; pass target=DIR_OR_HUB_ID")
+    # The drafter's taps decide which target layers to read; a target with fewer layers fails here.
+    target = TargetModel.from_pretrained(str(target_path), target_layer_ids=list(drafter.config.target_layer_ids),
+                                         dtype=cfg.dtype, device=device)
+    prompts = load_prompts(str(cfg.prompts), target.tokenizer, num_prompts=cfg.num_prompts,
+                           prompt_tokens=int(cfg.prompt_tokens))
+    results = evaluate_acceptance(
+        target, drafter, prompts, temperature=float(cfg.temperature), top_k=int(cfg.top_k), top_p=float(cfg.top_p),
+        max_new_tokens=int(cfg.max_new_tokens), check_lossless=cfg.check_lossless, output_dir=cfg.paths.output_dir,
+        seed=int(cfg.seed), max_context=cfg.max_context,
+        settings={"drafter": str(cfg.drafter), "prompts": str(cfg.prompts), "target_path": str(target_path)})
+    lossless = {None: "not checked", True: "true", False: "FALSE"}[results["lossless"]]
+    print(f"mean tau {results['mean_tau']:.3f} over {results['steps']} steps, {results['num_prompts']} prompts "
+          f"({results['skipped_prompts']} skipped); lossless {lossless}; results in {cfg.paths.output_dir}")
+    return results
+
+
+def main() -> None:
+    """Entry point: compose the config (with CLI overrides) and run; DFlash2Error -> one line, exit 2."""
+    import hydra
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    try:
+        ConfigStore.instance().store(name=CONFIG_NAME, node=OmegaConf.load(config_file()))
+    except DFlash2Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+    @hydra.main(version_base="1.3", config_path=None, config_name=CONFIG_NAME)
+    def _app(cfg) -> None:
+        try:
+            run(cfg)
+        except DFlash2Error as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+    _app()

@@ -1,0 +1,176 @@
+"""Reference speculative decoding is lossless at T=0 (DESIGN §2, §4, §5).
+
+Random fp32 targets (tiny Qwen3 = attention; tiny Qwen3.5 = 3 GDN : 1 attention)
+and random drafters: the speculative output must equal plain greedy decoding of
+the target token for token, for block sizes 4, 8 and 16, over >= 200 tokens.
+Scripted drafters force the extreme steps: an oracle drafting the target's own
+greedy continuation (every draft accepted, τ = B), a wrong one (nothing
+accepted, τ = 1) and a partial one (a random number accepted each step).
+"""
+
+import random
+
+import pytest
+import torch
+
+from dflash2.errors import DFlash2Error
+from dflash2.spec import SpecResult, greedy_generate, speculative_generate
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+KINDS = ["qwen3", "qwen3_5"]
+N_TOKENS = 200
+
+
+def _prompt(length, seed):
+    return torch.randint(0, 100, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+PROMPTS = [_prompt(7, 1), _prompt(12, 2), _prompt(3, 3)]  # different lengths: ragged batches
+
+
+@pytest.fixture(scope="module")
+def greedy_refs(spec_targets):
+    """{kind: [prompt + greedy continuation]} per prompt (N_TOKENS + 16 tokens; 48 for the third), once."""
+    refs = {}
+    for kind, target in spec_targets.items():
+        outs = greedy_generate(target, PROMPTS[:2], N_TOKENS + 16) + greedy_generate(target, PROMPTS[2:], 48)
+        refs[kind] = [p + o for p, o in zip(PROMPTS, outs)]
+    return refs
+
+
+class ScriptedProposer:
+    """A drafter stub with the decoder's Proposer interface, drafting from a known continuation.
+
+    mode per row: 'oracle' drafts the target's greedy continuation (all accepted), 'wrong'
+    drafts a different token everywhere (none accepted), 'partial' is right for a random
+    0..B-1 positions then wrong. It also checks the decoder's bookkeeping: the anchor it gets is
+    the true token at the anchor position, and the drafter context covers exactly the
+    positions before the anchor.
+    """
+
+    def __init__(self, full, modes, block_size, vocab, seed=0):
+        self.full, self.modes, self.block_size, self.vocab = full, modes, block_size, vocab
+        self.rng = random.Random(seed)
+        self.context = [0] * len(full)
+
+    def add_context(self, taps, positions, num_valid):
+        for n, k in enumerate(num_valid.tolist()):
+            if k:
+                assert positions[n, 0] == self.context[n], "context appended at the wrong position"
+            self.context[n] += k
+
+    def propose(self, anchor_ids, anchor_pos, params, generator):
+        rows = []
+        for n, (a, pos) in enumerate(zip(anchor_ids.tolist(), anchor_pos.tolist())):
+            assert a == self.full[n][pos], f"row {n}: anchor {a} is not the token at position {pos}"
+            assert self.context[n] == pos, f"row {n}: drafter context has {self.context[n]} positions, anchor at {pos}"
+            truth = self.full[n][pos + 1 : pos + self.block_size]
+            right = {"oracle": self.block_size, "wrong": 0}.get(self.modes[n], self.rng.randrange(self.block_size))
+            rows.append([t if i < right else (t + 1) % self.vocab for i, t in enumerate(truth)])
+        return torch.tensor(rows), None
+
+
+def _check_result(res: SpecResult, expected, block_size):
+    assert res.sequences == expected
+    for acc, seq in zip(res.accepted, res.sequences):
+        assert all(0 <= a < block_size for a in acc)
+        # every step emits accepted + 1 tokens, except that the last one may be truncated
+        assert 1 + sum(a + 1 for a in acc[:-1]) < len(seq) <= 1 + sum(a + 1 for a in acc)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("block_size", [4, 8, 16])
+def test_random_drafter_equals_greedy(spec_targets, make_spec_drafter, greedy_refs, kind, block_size):
+    """Real DFlash drafters (v1 at B=4, DFlash2 conv+selector at 8/16) with random weights."""
+    target = spec_targets[kind]
+    drafter = make_spec_drafter(target, block_size, v2=block_size > 4)
+    # 200 tokens at B=8; 48 at B=4/16 keeps the suite fast (τ ≈ 1: a verify + a replay per token);
+    # the scripted test below covers 200 tokens for every block size.
+    n = N_TOKENS if block_size == 8 else 48
+    res = speculative_generate(target, drafter, [PROMPTS[0]], max_new_tokens=n)
+    _check_result(res, [greedy_refs[kind][0][len(PROMPTS[0]) :][:n]], block_size)
+    assert 0 in res.accepted[0]  # a random drafter has rejected steps
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("block_size", [4, 8, 16])
+def test_scripted_drafters_equal_greedy_with_all_or_partial_acceptance(spec_targets, greedy_refs, kind, block_size):
+    """A batch of two rows with different acceptance: oracle (τ = B every step) and partial."""
+    target = spec_targets[kind]
+    full = greedy_refs[kind][:2]
+    proposer = ScriptedProposer(full, ["oracle", "partial"], block_size, target.vocab_size)
+    res = speculative_generate(target, proposer, PROMPTS[:2], max_new_tokens=N_TOKENS)
+    _check_result(res, [f[len(p) :][:N_TOKENS] for f, p in zip(full, PROMPTS)], block_size)
+    oracle, partial = res.accepted
+    assert oracle == [block_size - 1] * len(oracle)  # every draft accepted: τ = B
+    assert len(oracle) == -(-(N_TOKENS - 1) // block_size)  # the prefill token + B per step
+    assert {0, block_size - 1} <= set(partial)  # zero-accept and all-accept steps in one run
+    assert len(set(partial)) >= min(block_size, 4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_wrong_drafter_accepts_nothing_in_a_ragged_batch(spec_targets, greedy_refs, kind):
+    target = spec_targets[kind]
+    full = greedy_refs[kind]
+    proposer = ScriptedProposer(full, ["wrong", "oracle", "partial"], 4, target.vocab_size)
+    res = speculative_generate(target, proposer, PROMPTS, max_new_tokens=33)
+    _check_result(res, [f[len(p) :][:33] for f, p in zip(full, PROMPTS)], 4)
+    assert res.accepted[0] == [0] * 32  # τ = 1: the bonus (the target's own token) every step
+    assert res.accepted[1] == [3] * 8  # τ = B = 4
+    assert 0 < len(res.accepted[2]) < 32
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_eos_inside_a_block_stops_there(spec_targets, greedy_refs, kind):
+    """The oracle accepts whole blocks; EOS = a greedy token in the middle of one: emit it, nothing after."""
+    target, B = spec_targets[kind], 8
+    gen = greedy_refs[kind][0][len(PROMPTS[0]) :]
+    # a token at its first occurrence, not the last of its block (so the block is cut after it)
+    k = max(k for k in range(2, 100) if gen[k] not in gen[:k] and k % B != 0)
+    eos = gen[k]
+    assert greedy_generate(target, PROMPTS[:1], N_TOKENS, eos_token_id=eos) == [gen[: k + 1]]
+    # greedy with EOS = greedy without, cut after the first EOS
+    expected = [f[len(p) :][:N_TOKENS] for f, p in zip(greedy_refs[kind][:2], PROMPTS)]
+    expected = [e[: e.index(eos) + 1] if eos in e else e for e in expected]
+    proposer = ScriptedProposer(greedy_refs[kind][:2], ["oracle", "partial"], B, target.vocab_size)
+    res = speculative_generate(target, proposer, PROMPTS[:2], max_new_tokens=N_TOKENS, eos_token_id=[eos])
+    assert res.sequences == expected
+    assert res.accepted[0][-1] == B - 1  # the block was fully accepted, then cut after EOS
+    assert res.steps[0] == -(-k // B)
+
+
+def test_max_new_tokens_truncates_exactly(spec_targets, greedy_refs):
+    target = spec_targets["qwen3"]
+    gen = greedy_refs["qwen3"][0][len(PROMPTS[0]) :]
+    for n in (0, 1, 2, 13):
+        proposer = ScriptedProposer(greedy_refs["qwen3"][:1], ["oracle"], 8, target.vocab_size)
+        res = speculative_generate(target, proposer, [PROMPTS[0]], max_new_tokens=n)
+        assert res.sequences == [gen[:n]]
+        assert res.steps == [max(0, -(-(n - 1) // 8))]  # the first token comes from the prefill
+    proposer = ScriptedProposer(greedy_refs["qwen3"][:1], ["oracle"], 8, target.vocab_size)
+    first_is_eos = speculative_generate(target, proposer, [PROMPTS[0]], max_new_tokens=50, eos_token_id=gen[0])
+    assert first_is_eos.sequences == [[gen[0]]] and first_is_eos.steps == [0]
+
+
+def test_random_drafter_batch_equals_greedy(spec_targets, make_spec_drafter, greedy_refs):
+    """Batched DFlash drafting with ragged per-row context (hybrid target, B=4)."""
+    target = spec_targets["qwen3_5"]
+    res = speculative_generate(target, make_spec_drafter(target, 4), PROMPTS, max_new_tokens=24)
+    assert res.sequences == [f[len(p) :][:24] for f, p in zip(greedy_refs["qwen3_5"], PROMPTS)]
+    assert res.mean_tau >= 1.0
+
+
+def test_tensor_prompts_and_bad_inputs(spec_targets, make_spec_drafter):
+    target = spec_targets["qwen3"]
+    drafter = make_spec_drafter(target, 4)
+    ids = torch.tensor([PROMPTS[0], PROMPTS[0]])  # (N, P) tensor
+    res = speculative_generate(target, drafter, ids, max_new_tokens=5)
+    assert res.sequences[0] == res.sequences[1] == greedy_generate(target, ids[:1], 5)[0]
+    with pytest.raises(DFlash2Error, match="empty"):
+        speculative_generate(target, drafter, [[1, 2], []], max_new_tokens=5)
+    with pytest.raises(DFlash2Error, match="temperature"):
+        speculative_generate(target, drafter, ids, max_new_tokens=5, temperature=-1)
+    other = make_spec_drafter(spec_targets["qwen3_5"], 4)
+    other.config.target_layer_ids = [0, 3]  # a drafter reading other target layers
+    with pytest.raises(DFlash2Error, match="target layers"):
+        speculative_generate(spec_targets["qwen3_5"], other, ids, max_new_tokens=5)

@@ -1,0 +1,130 @@
+"""The main job end to end on the micro target (issue 3): fast_dev_run of the real
+configs, artifacts, save/load, exact resume, and bad input."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from dflash2.drafter import DFlashDrafter, DrafterConfig, load_drafter
+from dflash2.errors import DFlash2Error
+from dflash2.training.cli import CONFIG_DIR
+from dflash2.training.run import run_from_config
+
+pytestmark = pytest.mark.slow
+
+
+def compose_run(tmp_path: Path, overrides: list[str], name: str = "run"):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=[f"paths.output_dir={tmp_path / name}", f"paths.cache_dir={tmp_path / 'cache'}", *overrides])
+    GlobalHydra.instance().clear()
+    return cfg
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    rows = list(csv.DictReader(open(run_dir / "csv" / "metrics.csv")))
+    return {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, micro_train_overrides):
+    tmp = tmp_path_factory.mktemp("train")
+    summary = run_from_config(compose_run(tmp, micro_train_overrides))
+    return tmp, summary
+
+
+def test_default_run_writes_every_artifact(trained_run):
+    tmp, summary = trained_run
+    run = tmp / "run"
+    assert (run / "target" / "config.json").exists()
+    assert (run / "drafter" / "config.json").exists() and (run / "drafter" / "model.safetensors").exists()
+    assert (run / "checkpoints" / "last.ckpt").exists() and (run / "checkpoints" / "step000003.ckpt").exists()
+    report = summary["drafter"]
+    assert report["steps"] == 6
+    assert len(report["heldout_acc_per_position"]) == 7
+    assert (run / "train_summary.json").exists() and (run / "run_summary.json").exists()
+    losses = train_losses(run)
+    assert sorted(losses) == list(range(6)) and all(torch.isfinite(torch.tensor(v)) for v in losses.values())
+
+
+def test_saved_drafter_reloads_with_identical_logits(trained_run):
+    tmp, _ = trained_run
+    loaded = load_drafter(tmp / "run" / "drafter")
+    ckpt = torch.load(tmp / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    fresh = DFlashDrafter(DrafterConfig.from_dict(ckpt["dflash2"]["drafter_config"]))
+    fresh.load_state_dict({k.removeprefix("drafter."): v for k, v in ckpt["state_dict"].items()})
+    assert loaded.config.use_local_conv and loaded.config.use_selector
+    torch.manual_seed(1)
+    n, length, d = 2, 20, loaded.config.hidden_size
+    taps = torch.randn(n, length, loaded.config.num_taps * loaded.config.target_hidden_size)
+    ids = torch.randint(0, loaded.config.vocab_size, (n, length))
+    embed = torch.nn.Embedding(loaded.config.vocab_size, d)
+    anchors, valid = torch.tensor([[3, 9], [5, 12]]), torch.ones(2, 2, dtype=torch.bool)
+    with torch.no_grad():
+        a = loaded.training_forward(taps, ids, embed, anchors, valid)
+        b = fresh.training_forward(taps, ids, embed, anchors, valid)
+    assert torch.equal(a, b)
+
+
+def test_resume_from_mid_run_checkpoint_continues_the_same_loss_curve(trained_run, micro_train_overrides):
+    tmp, _ = trained_run
+    original = train_losses(tmp / "run")
+    mid = tmp / "run" / "checkpoints" / "step000003.ckpt"
+    run_from_config(compose_run(tmp, [*micro_train_overrides, f"ckpt_path={mid}"], name="resumed"))
+    resumed = train_losses(tmp / "resumed")
+    assert sorted(resumed) == [3, 4, 5]
+    for step in (3, 4, 5):
+        assert resumed[step] == pytest.approx(original[step], rel=1e-5, abs=1e-6), step
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "dflash2"])
+def test_fast_dev_run_of_the_real_configs(tmp_path, micro_train_overrides, drafter):
+    cfg = compose_run(tmp_path, [*micro_train_overrides, f"drafter={drafter}", "debug=fast_dev_run"])
+    summary = run_from_config(cfg)
+    loaded = load_drafter(Path(summary["output_dir"]) / "drafter")
+    has_extras = any(k.startswith("candidate_selector") or "_conv" in k for k in loaded.state_dict())
+    assert has_extras == (drafter == "dflash2")
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("drafter.hidden_size=48", "hidden size"),
+        ("drafter.mask_token_id=100000", "outside the target vocab"),
+        ("data.response_tokens=1", "empty after filtering"),
+        ("ckpt_path=/nonexistent/x.ckpt", "no checkpoint file"),
+    ],
+)
+def test_bad_input_is_a_clear_error_and_writes_no_drafter(tmp_path, micro_train_overrides, override, needle):
+    cfg = compose_run(tmp_path, [*micro_train_overrides, override])
+    with pytest.raises(DFlash2Error, match=needle) as err:
+        run_from_config(cfg)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "run" / "drafter").exists()
+
+
+def test_nan_loss_stops_with_a_message_and_keeps_the_last_good_checkpoint(tmp_path, micro_train_overrides, monkeypatch):
+    from dflash2.training.drafter_module import DrafterTrainingModule
+
+    real = DrafterTrainingModule.block_outputs
+
+    def poisoned(self, batch, generator):
+        out = real(self, batch, generator)
+        if self.training and self.global_step >= 4:
+            out["loss"] = out["loss"] * float("nan")
+        return out
+
+    monkeypatch.setattr(DrafterTrainingModule, "block_outputs", poisoned)
+    with pytest.raises(DFlash2Error, match="step 4.*last good checkpoint"):
+        run_from_config(compose_run(tmp_path, micro_train_overrides))
+    kept = tmp_path / "run" / "checkpoints" / "step000003.ckpt"
+    state = torch.load(kept, map_location="cpu", weights_only=False)
+    assert state["global_step"] == 3
+    assert all(torch.isfinite(v).all() for v in state["state_dict"].values())
+    assert not (tmp_path / "run" / "drafter").exists()
