@@ -73,7 +73,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     print(f"[dflash2] drafter saved to {drafter_dir}", flush=True)
 
     heldout_ds = regenerate_split(target, data, split="heldout", num_prompts=int(data["num_val_prompts"]), **common)
-    report = heldout_report(module.cpu(), heldout_ds, train_ds, pad_id=pad_id, batch_size=int(data["batch_size"]), seed=seed)
+    report = heldout_report(module.to(device), heldout_ds, train_ds, pad_id=pad_id, batch_size=int(data["batch_size"]), seed=seed)
     report["steps"] = int(trainer.global_step)
     report["drafter_dir"] = str(drafter_dir)
     (output_dir / "train_summary.json").write_text(json.dumps(report, indent=2))
@@ -109,17 +109,18 @@ def resolve_ckpt_path(ckpt_path, output_dir: Path):
 def heldout_report(module: DrafterTrainingModule, heldout_ds, train_ds, *, pad_id: int, batch_size: int, seed: int) -> dict:
     """Per-position top-1 accuracy on held-out regenerated data vs the most-frequent-token baseline."""
     module.eval()
-    module.target.model.cpu()
+    module.target.model.to(module.device)
     preds, labels, masks, sel_preds = [], [], [], []
     for start in range(0, len(heldout_ds), batch_size):
         batch = collate_sequences([heldout_ds[i] for i in range(start, min(start + batch_size, len(heldout_ds)))], pad_id)
+        batch = {k: v.to(module.device) for k, v in batch.items()}
         out = module.block_outputs(batch, anchor_generator(seed + 2, start))
         preds.append(out["predictions"].flatten(0, 1))
         labels.append(out["labels"].flatten(0, 1))
         masks.append(out["label_mask"].flatten(0, 1))
         if "selector_predictions" in out:
             sel_preds.append(out["selector_predictions"].flatten(0, 1))
-    cat = lambda xs: torch.cat(xs)[None]  # noqa: E731  (1, blocks, P)
+    cat = lambda xs: torch.cat(xs).cpu()[None]  # noqa: E731  (1, blocks, P)
     metrics = block_metrics(cat(preds), cat(labels), cat(masks))
     # Trivial baseline: always predict the most frequent supervised token of the training data.
     counts = torch.zeros(module.drafter.config.vocab_size, dtype=torch.long)
@@ -138,7 +139,7 @@ def heldout_report(module: DrafterTrainingModule, heldout_ds, train_ds, *, pad_i
         "baseline_tau_estimate": round(float(baseline["tau_estimate"]), 4),
     }
     if sel_preds:
-        sel = block_metrics(torch.cat(sel_preds)[None], cat(labels), cat(masks))
+        sel = block_metrics(cat(sel_preds), cat(labels), cat(masks))
         report["heldout_selector_acc_per_position"] = [round(float(a), 4) for a in sel["acc_per_position"]]
         report["heldout_selector_tau_estimate"] = round(float(sel["tau_estimate"]), 4)
     return report
