@@ -57,7 +57,8 @@ def code_prompt_batches(documents, tokenizer, *, num_prompts: int, min_tokens: i
         n = min(batch_size, num_prompts - made)
         length = int(rng.integers(min_tokens, max_tokens + 1))
         rows, keys, tries = [], [], 0
-        while len(rows) < n and tries < 4 * len(documents):
+        # Draws are with replacement, so a small split can still fill a large batch.
+        while len(rows) < n and tries < 4 * (len(documents) + n):
             i = int(order[cursor % len(order)])
             cursor += 1
             tries += 1
