@@ -152,15 +152,6 @@ def spec_targets():
     return {kind: spec_target(kind) for kind in ("qwen3", "qwen3_5")}
 
 
-@pytest.fixture(scope="module")
-def single_thread():
-    """Tiny models: intra-op threads only add sync overhead (and thrash on a shared 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="session")
 def make_spec_target():
     return spec_target

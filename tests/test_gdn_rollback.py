@@ -14,7 +14,6 @@ import torch
 from dflash2.spec.target_state import (attention_kv, cache_seq_len, crop_attention, gdn_state, restore, rollback,
                                        snapshot)
 
-pytestmark = pytest.mark.usefixtures("single_thread")
 B, P = 8, 6
 # Replay (chunked kernel, B-token GEMMs) vs decoding (recurrent kernel, 1-token GEMMs) differ by fp32
 # rounding: measured max |diff| / max |ref| = 1e-7 (first GDN layer) .. 1.2e-6 (third); a wrong state

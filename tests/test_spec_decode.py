@@ -16,7 +16,6 @@ import torch
 from dflash2.errors import DFlash2Error
 from dflash2.spec import SpecResult, greedy_generate, speculative_generate
 
-pytestmark = pytest.mark.usefixtures("single_thread")
 KINDS = ["qwen3", "qwen3_5"]
 N_TOKENS = 200
 
@@ -130,10 +129,11 @@ def test_eos_inside_a_block_stops_there(spec_targets, greedy_refs, kind):
     eos = gen[k]
     assert greedy_generate(target, PROMPTS[:1], N_TOKENS, eos_token_id=eos) == [gen[: k + 1]]
     # greedy with EOS = greedy without, cut after the first EOS
-    expected = [f[len(p) :][:N_TOKENS] for f, p in zip(greedy_refs[kind][:2], PROMPTS)]
+    n = k + 3 * B  # room after the EOS: it, not max_new_tokens, ends row 0
+    expected = [f[len(p) :][:n] for f, p in zip(greedy_refs[kind][:2], PROMPTS)]
     expected = [e[: e.index(eos) + 1] if eos in e else e for e in expected]
     proposer = ScriptedProposer(greedy_refs[kind][:2], ["oracle", "partial"], B, target.vocab_size)
-    res = speculative_generate(target, proposer, PROMPTS[:2], max_new_tokens=N_TOKENS, eos_token_id=[eos])
+    res = speculative_generate(target, proposer, PROMPTS[:2], max_new_tokens=n, eos_token_id=[eos])
     assert res.sequences == expected
     assert res.accepted[0][-1] == B - 1  # the block was fully accepted, then cut after EOS
     assert res.steps[0] == -(-k // B)

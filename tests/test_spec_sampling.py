@@ -14,7 +14,6 @@ import torch
 from dflash2.errors import DFlash2Error
 from dflash2.spec import SamplingParams, greedy_accept, point_mass, rejection_accept, speculative_generate, warp_probs
 
-pytestmark = pytest.mark.usefixtures("single_thread")
 V, P, M = 8, 3, 40_000  # vocab, drafted positions, samples of the direct test
 PASS, FAIL = 1e-3, 1e-6  # p-value above PASS: consistent with p; below FAIL: rejected
 

@@ -1,9 +1,8 @@
 """Prompts for response regeneration (issue 3).
 
 Code corpora: a prompt is a file's prefix of random length (in tokens), so the
-target continues real code from a real point. Chat datasets (rows with a
-`messages` list): the user turns, rendered with the tokenizer's chat template.
-Prompts are grouped so that every batch of `batch_size` prompts shares one
+target continues real code from a real point. (Chat datasets, whose prompts are
+the user turns, are not wired into training yet.) Prompts are grouped so that every batch of `batch_size` prompts shares one
 length: batched generation then needs no padding, which matters for hybrid
 GDN targets whose recurrent layers would otherwise fold pad tokens into their
 state.
@@ -75,12 +74,3 @@ def code_prompt_batches(documents, tokenizer, *, num_prompts: int, min_tokens: i
         made += n
     return batches
 
-
-def chat_prompt_ids(messages: list[dict], tokenizer) -> list[int]:
-    """The user turns of a conversation as a generation prompt (chat template when the tokenizer has one)."""
-    user_turns = [m for m in messages if m.get("role") == "user"]
-    if not user_turns:
-        raise DFlash2Error("a chat row has no user turn; every row needs at least one {'role': 'user', ...} message")
-    if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template(user_turns, add_generation_prompt=True, tokenize=True))
-    return tokenizer("\n".join(m["content"] for m in user_turns), add_special_tokens=False)["input_ids"]
