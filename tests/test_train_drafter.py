@@ -53,6 +53,15 @@ def test_default_run_writes_every_artifact(trained_run):
     assert sorted(losses) == list(range(6)) and all(torch.isfinite(torch.tensor(v)) for v in losses.values())
 
 
+def test_measured_tau_is_logged_at_each_validation(trained_run):
+    tmp, _ = trained_run
+    rows = list(csv.DictReader(open(tmp / "run" / "csv" / "metrics.csv")))
+    measured = {int(r["step"]): float(r["val/tau_measured"]) for r in rows if r.get("val/tau_measured")}
+    estimated = {int(r["step"]): float(r["val/tau_estimate"]) for r in rows if r.get("val/tau_estimate")}
+    assert sorted(measured) == sorted(estimated) and len(measured) == 2  # validations at steps 3 and 6
+    assert all(1.0 <= t <= 8.0 for t in measured.values())  # 1 <= tau <= block size
+
+
 def test_saved_drafter_reloads_with_identical_logits(trained_run):
     tmp, _ = trained_run
     loaded = load_drafter(tmp / "run" / "drafter")

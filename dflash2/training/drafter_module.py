@@ -32,6 +32,7 @@ class DrafterTrainingModule(L.LightningModule):
         self.lr, self.weight_decay, self.warmup_ratio, self.total_steps = lr, weight_decay, warmup_ratio, total_steps
         self.seed, self.target_id = seed, target_id
         self._last_step_time: float | None = None
+        self.measured_tau_history: list[tuple[int, float]] = []  # filled by MeasuredTauCallback
 
     # ----------------------------------------------------------------- plumbing
     def _sync_target_device(self) -> None:
