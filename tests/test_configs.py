@@ -70,3 +70,16 @@ def test_unknown_override_is_one_line_error():
         message = check_overrides(bad)
         assert message is not None and "\n" not in message and "override" in message
     assert check_overrides(["trainer.max_steps=5", "drafter=dflash"]) is None
+
+
+def test_wandb_goes_offline_without_a_key(monkeypatch, tmp_path):
+    from dflash2.training.loggers import make_wandb_logger, wandb_mode
+
+    for var in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    assert wandb_mode("auto") == "offline"
+    assert wandb_mode("disabled") == "disabled"
+    logger = make_wandb_logger(save_dir=str(tmp_path), mode="auto")
+    assert logger is not None and logger._offline
+    assert make_wandb_logger(save_dir=str(tmp_path), mode="disabled") is None

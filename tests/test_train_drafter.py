@@ -137,3 +137,17 @@ def test_nan_loss_stops_with_a_message_and_keeps_the_last_good_checkpoint(tmp_pa
     assert state["global_step"] == 3
     assert all(torch.isfinite(v).all() for v in state["state_dict"].values())
     assert not (tmp_path / "run" / "drafter").exists()
+
+
+@pytest.mark.parametrize("field,value,needle", [("vocab_size", 999, "vocab 999"), ("target_layer_ids", [0, 1, 7], "taps")])
+def test_init_from_a_drafter_of_another_target_is_refused(trained_run, micro_train_overrides, tmp_path, field, value, needle):
+    from dflash2.drafter import save_drafter
+
+    tmp, _ = trained_run
+    config = load_drafter(tmp / "run" / "drafter").config.to_dict()
+    config[field] = value
+    foreign = tmp_path / "foreign"
+    save_drafter(DFlashDrafter(DrafterConfig.from_dict(config)), foreign)
+    with pytest.raises(DFlash2Error, match=needle):
+        run_from_config(compose_run(tmp_path, [*micro_train_overrides, f"drafter.init_from={foreign}"]))
+    assert not (tmp_path / "run" / "drafter").exists()

@@ -14,11 +14,14 @@ from pathlib import Path
 
 
 def wandb_mode(requested: str = "auto") -> str:
-    """Resolve `auto` into `online` or `offline`; other values pass through."""
-    if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
+    """Resolve `auto` into `online` or `offline`; an explicit mode passes through.
+
+    For `auto`, a WANDB_MODE already in the environment is respected.
+    """
     if requested != "auto":
         return requested
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
     has_key = bool(os.environ.get("WANDB_API_KEY")) or _netrc_has_wandb()
     if not has_key:
         return "offline"
