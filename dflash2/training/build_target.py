@@ -85,7 +85,7 @@ def publish_target(source: Path | str, output_dir: Path) -> Path | str:
         return source  # a hub id: nothing to copy
     if dest.exists():
         return dest
-    if Path(source).stat().st_size and _folder_bytes(Path(source)) > 2 * 1024**3:
+    if _folder_bytes(Path(source)) > 2 * 1024**3:
         dest.symlink_to(Path(source).resolve(), target_is_directory=True)  # do not duplicate a large model
         return dest
     tmp = output_dir / f".target.tmp-{os.getpid()}"
