@@ -64,14 +64,17 @@ def hf_config(cfg: DrafterConfig, dtype: torch.dtype | None = None) -> dict:
     return out
 
 
-def save_drafter(drafter: DFlashDrafter, out_dir, *, dtype: torch.dtype | None = None, extra_config: dict | None = None):
+def save_drafter(drafter: DFlashDrafter, out_dir, *, dtype: torch.dtype | None = None, extra_config: dict | None = None,
+                 extra_files: dict[str, str] | None = None):
     """Write ``out_dir/{config.json, model.safetensors}`` atomically.
 
     Everything is written into a temp folder beside ``out_dir`` and renamed into
     place, so a crash never leaves a half-written folder under the final name; an
     existing ``out_dir`` is moved aside first and deleted only after the swap.
     dtype: cast floating tensors (e.g. torch.bfloat16 for serving); extra_config:
-    top-level keys merged into config.json (they win). Returns the final Path.
+    top-level keys merged into config.json (they win); extra_files: {file name: text}
+    written into the same folder before the swap (e.g. the export's README.md).
+    Returns the final Path.
     """
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -91,6 +94,8 @@ def save_drafter(drafter: DFlashDrafter, out_dir, *, dtype: torch.dtype | None =
     try:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
         if out_dir.exists():
             old = parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
             os.rename(out_dir, old)
