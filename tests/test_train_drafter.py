@@ -151,3 +151,24 @@ def test_init_from_a_drafter_of_another_target_is_refused(trained_run, micro_tra
     with pytest.raises(DFlash2Error, match=needle):
         run_from_config(compose_run(tmp_path, [*micro_train_overrides, f"drafter.init_from={foreign}"]))
     assert not (tmp_path / "run" / "drafter").exists()
+
+
+def test_trained_run_exports_and_reloads_with_identical_drafts_and_tau(trained_run, micro_target_dir, tmp_path):
+    """Issue 5 round trip on a real (micro) training run: train -> export -> load -> same drafts, same τ."""
+    from dflash2.export import export_drafter
+    from dflash2.spec import speculative_generate
+    from dflash2.target import TargetModel
+
+    tmp, _ = trained_run
+    run = tmp / "run"
+    out = export_drafter(run / "checkpoints" / "last.ckpt", tmp_path / "export", dtype=torch.float32, target=str(micro_target_dir))
+    exported = load_drafter(out)
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    original = DFlashDrafter(DrafterConfig.from_dict(ckpt["dflash2"]["drafter_config"]))
+    original.load_state_dict({k.removeprefix("drafter."): v for k, v in ckpt["state_dict"].items()})
+    target = TargetModel.from_pretrained(str(micro_target_dir), target_layer_ids=[0, 1, 2])
+    prompts = [target.tokenizer(t)["input_ids"] for t in ("import os\n", "def main(args):\n    ", "class A:\n")]
+    a = speculative_generate(target, original.eval(), prompts, max_new_tokens=24)
+    b = speculative_generate(target, exported.eval(), prompts, max_new_tokens=24)
+    assert a.sequences == b.sequences and a.accepted == b.accepted and a.mean_tau == b.mean_tau
+    assert (out / "README.md").exists() and "DFlash2DraftModel" in (out / "config.json").read_text()
