@@ -43,15 +43,16 @@ RECIPE_VERSION = 1  # bump when the build procedure changes in a way that change
 BUILD_INFO = "build_info.json"
 
 
-def _plain(node: Any) -> Any:
+def to_plain(node: Any) -> Any:
+    """An OmegaConf node as plain Python containers (other values unchanged)."""
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) or OmegaConf.is_config(node) else node
 
 
 def target_cache_key(cfg: DictConfig) -> str:
     """Hash of everything the built target depends on."""
-    sources = list(_plain(cfg.data.sources)) + list(_plain(cfg.target.recipe.get("extra_sources", [])) or [])
+    sources = list(to_plain(cfg.data.sources)) + list(to_plain(cfg.target.recipe.get("extra_sources", [])) or [])
     payload = {
-        "recipe": _plain(cfg.target.recipe),
+        "recipe": to_plain(cfg.target.recipe),
         "corpus": corpus_fingerprint(sources, "train", **_split_kwargs(cfg)),
         "seed": int(cfg.seed),
         "version": RECIPE_VERSION,
@@ -105,7 +106,7 @@ def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
     seed = int(cfg.seed)
     started = time.time()
     L.seed_everything(seed, workers=True, verbose=False)
-    sources = list(_plain(cfg.data.sources)) + list(_plain(recipe.get("extra_sources", [])) or [])
+    sources = list(to_plain(cfg.data.sources)) + list(to_plain(recipe.get("extra_sources", [])) or [])
     print(f"[dflash2] building target '{cfg.target.name}' (not in cache) -> {final}", flush=True)
 
     train_docs = load_documents(sources, "train", **_split_kwargs(cfg))
@@ -162,7 +163,7 @@ def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
         "heldout_perplexity": perplexity(ce),
         **{f"heldout_{k}_cross_entropy": v for k, v in baselines.items()},
         "seed": seed,
-        "recipe": _plain(recipe),
+        "recipe": to_plain(recipe),
         "build_seconds": round(time.time() - started, 1),
         "torch": torch.__version__,
     }

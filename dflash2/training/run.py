@@ -14,7 +14,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from dflash2.errors import DFlash2Error
 from dflash2.training.build_target import BUILD_INFO, ensure_target, format_target_report, publish_target
@@ -58,10 +58,6 @@ def instantiate_loggers(cfg: DictConfig) -> list:
 
 def instantiate_callbacks(cfg: DictConfig) -> list:
     return [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None and "_target_" in node]
-
-
-def plain(node) -> dict:
-    return OmegaConf.to_container(node, resolve=True)
 
 
 def regeneration_device(cfg: DictConfig) -> str:

@@ -19,7 +19,8 @@ from dflash2.errors import DFlash2Error
 from dflash2.target import TargetModel
 from dflash2.training.drafter_data import DrafterDataModule, collate_sequences
 from dflash2.training.drafter_module import DrafterTrainingModule
-from dflash2.training.run import instantiate_callbacks, instantiate_loggers, plain, regeneration_device
+from dflash2.training.build_target import to_plain as plain
+from dflash2.training.run import instantiate_callbacks, instantiate_loggers, regeneration_device
 
 
 def load_target(cfg: DictConfig, target_dir) -> TargetModel:
