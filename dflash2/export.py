@@ -137,6 +137,7 @@ class TargetInfo:
     hidden_size: int
     vocab_size: int
     rope_theta: float | None
+    tokenizer_fingerprint: str | None = None  # None: the target folder has no tokenizer files
 
 
 def read_target_info(name_or_path: str) -> TargetInfo:
@@ -152,7 +153,24 @@ def read_target_info(name_or_path: str) -> TargetInfo:
     theta = params.get("rope_theta") if isinstance(params, dict) else None
     theta = theta if theta is not None else getattr(text, "rope_theta", None)
     return TargetInfo(str(name_or_path), int(text.num_hidden_layers), int(text.hidden_size),
-                      int(text.vocab_size), float(theta) if theta is not None else None)
+                      int(text.vocab_size), float(theta) if theta is not None else None,
+                      _local_tokenizer_fingerprint(name_or_path))
+
+
+def _local_tokenizer_fingerprint(name_or_path: str) -> str | None:
+    """The target's tokenizer fingerprint when its folder holds tokenizer files (hub ids: not checked)."""
+    folder = Path(str(name_or_path))
+    if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    from dflash2.tokenizer import tokenizer_fingerprint
+
+    try:
+        return tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(folder)))
+    except Exception as e:
+        raise DFlash2Error(f"could not load the tokenizer of target {folder} ({type(e).__name__}); "
+                           "fix or remove its tokenizer files") from e
 
 
 def _resolve_target(target, config: DrafterConfig, source: DrafterSource) -> TargetInfo | None:
@@ -298,7 +316,7 @@ def check_rope(config: DrafterConfig, target: TargetInfo | None, hf: dict | None
 
 
 def check_target_sizes(config: DrafterConfig, target: TargetInfo | None) -> None:
-    """The drafter reads the target's embedding / LM head / taps: widths and vocab must agree."""
+    """The drafter reads the target's embedding / LM head / taps: widths, vocab and tokenizer must agree."""
     if target is None:
         return
     problems = []
@@ -308,6 +326,9 @@ def check_target_sizes(config: DrafterConfig, target: TargetInfo | None) -> None
         problems.append(f"target_hidden_size (tap width) {config.target_hidden_size} vs {target.hidden_size}")
     if config.vocab_size != target.vocab_size:
         problems.append(f"vocab_size {config.vocab_size} vs {target.vocab_size}")
+    recorded = config.target_tokenizer_fingerprint
+    if recorded and target.tokenizer_fingerprint and recorded != target.tokenizer_fingerprint:
+        problems.append(f"tokenizer fingerprint {recorded} vs {target.tokenizer_fingerprint}")
     if problems:
         raise DFlash2Error(f"drafter does not fit target {target.name_or_path} ({'; '.join(problems)}); "
                            "pass the target it was trained for or retrain")

@@ -134,3 +134,21 @@ def encode_documents(tokenizer, documents: Iterable[str | Document], *, add_eos:
             flush(batch)
             bar.update(len(batch))
     return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int32)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of what makes two tokenizers interchangeable for a drafter.
+
+    A drafter predicts ids of the target's vocabulary and uses one of them as its
+    mask token, so a drafter trained with one tokenizer is meaningless under
+    another with the same vocab size. The hash covers the token -> id map
+    (added tokens included) and the special-token ids; it reads nothing that
+    differs between transformers versions, so the GPU and CPU images agree.
+    Any HF tokenizer works (not only the embedded BPE).
+    """
+    import hashlib
+    import json
+
+    special = {name: getattr(tokenizer, f"{name}_token_id", None) for name in ("eos", "pad", "bos", "unk", "mask")}
+    payload = {"vocab": sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]), "special": special}
+    return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()[:16]

@@ -101,6 +101,7 @@ def test_sampling_run_and_settings_errors(saved):
     (dict(hidden_size=48, target_hidden_size=48, head_dim=12, conv_group_size=8), "hidden size"),
     (dict(target_layer_ids=[0, 5]), "taps"),
     (dict(target_layer_ids=[0, 2]), "target layers"),
+    (dict(target_tokenizer_fingerprint="0123456789abcdef"), "tokenizer fingerprint 0123456789abcdef vs target"),
 ])
 def test_drafter_for_another_target_is_refused(saved, change, message):
     cfg = dataclasses.replace(saved["drafter"].config, **change)
@@ -171,6 +172,23 @@ def test_cli_writes_results_from_saved_folders(saved, tmp_path, monkeypatch, cap
     # the same target loaded back from disk decodes exactly like the in-memory one
     loaded = TargetModel.from_pretrained(str(saved["root"] / "target"), target_layer_ids=[0, 1])
     torch.testing.assert_close(loaded(torch.tensor([[5, 6]])).logits, saved["target"](torch.tensor([[5, 6]])).logits)
+
+
+def test_cli_out_of_gpu_memory_names_the_knobs_and_writes_nothing(saved, tmp_path, monkeypatch, capsys):
+    def oom(*args, **kwargs):  # torch.cuda.OutOfMemoryError is this class; raising it on CPU tests the handling
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+
+    monkeypatch.setattr(acceptance_mod, "evaluate_acceptance", oom)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        _cli(monkeypatch, f"target={saved['root'] / 'target'}", f"drafter={saved['root'] / 'drafter'}",
+             f"prompts={saved['prompts']}", "max_new_tokens=8", f"paths.output_dir={out}")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the weight-loading progress bar
+    assert err.startswith("error: out of GPU memory during speculative decoding; lower one of max_new_tokens=8, "
+                          "prompt_tokens=64") and "dtype=bfloat16" in err
+    assert err.endswith("or free the GPU of other processes")  # the whole message is this one line
+    assert not any((out / f).exists() for f in FILES)
 
 
 def test_cli_user_error_is_one_line(saved, tmp_path, monkeypatch, capsys):

@@ -150,6 +150,21 @@ def test_hidden_size_mismatch(tmp_path, micro_target_dir):
     _expect_error(tmp_path, ckpt, r"does not fit target .*hidden_size 48 vs 32", target=str(micro_target_dir))
 
 
+def test_drafter_of_another_tokenizer_is_refused(tmp_path, micro_target_dir):
+    # same vocab size and widths, but the drafter recorded another tokenizer: its ids mean other tokens
+    ckpt, _ = fake_ckpt(tmp_path, drafter_config(micro_target_dir, False, target_tokenizer_fingerprint="0123456789abcdef"))
+    _expect_error(tmp_path, ckpt, r"does not fit target .*tokenizer fingerprint 0123456789abcdef vs [0-9a-f]{16}",
+                  target=str(micro_target_dir))
+    # the target's own fingerprint passes
+    from transformers import AutoTokenizer
+
+    from dflash2.tokenizer import tokenizer_fingerprint
+
+    own = tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(micro_target_dir)))
+    good, _ = fake_ckpt(tmp_path, drafter_config(micro_target_dir, False, target_tokenizer_fingerprint=own), name="good")
+    assert (export_drafter(good, tmp_path / "exp", target=str(micro_target_dir)) / "model.safetensors").is_file()
+
+
 def test_rope_theta_mismatch_and_non_neox_config(tmp_path, micro_target_dir):
     theta = read_target_info(str(micro_target_dir)).rope_theta
     ckpt, _ = fake_ckpt(tmp_path, drafter_config(micro_target_dir, False, rope_theta=theta * 100))

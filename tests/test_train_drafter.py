@@ -106,14 +106,32 @@ def test_fast_dev_run_of_the_real_configs(tmp_path, micro_train_overrides, draft
     [
         ("drafter.hidden_size=48", "hidden size"),
         ("drafter.mask_token_id=100000", "outside the target vocab"),
-        ("data.response_tokens=1", "empty after filtering"),
         ("ckpt_path=/nonexistent/x.ckpt", "no checkpoint file"),
+        ("drafter.block_size=32", "block_size=32 is larger than data.response_tokens=24"),
+        ("drafter.num_anchors=24", "num_anchors=24 but .* at most 23 anchor positions"),
     ],
 )
 def test_bad_input_is_a_clear_error_and_writes_no_drafter(tmp_path, micro_train_overrides, override, needle):
     cfg = compose_run(tmp_path, [*micro_train_overrides, override])
     with pytest.raises(DFlash2Error, match=needle) as err:
         run_from_config(cfg)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "run" / "drafter").exists()
+
+
+def test_data_without_any_anchor_is_empty_after_filtering(tmp_path, micro_train_overrides, monkeypatch):
+    """A target that ends every response at once (EOS first) leaves no block to train on."""
+    import dflash2.data.regenerate as regenerate_mod
+
+    def eos_at_once(target, prompt_ids, *, max_new_tokens, eos_token_id, pad_token_id, **kwargs):
+        out = torch.full((prompt_ids.shape[0], max_new_tokens), pad_token_id, dtype=torch.long)
+        out[:, 0] = eos_token_id
+        return out
+
+    monkeypatch.setattr(regenerate_mod, "generate_responses", eos_at_once)
+    own_cache = f"paths.cache_dir={tmp_path / 'own_cache'}"  # this fake data must not reach the session's shared cache
+    with pytest.raises(DFlash2Error, match="the train data is empty after filtering.*data.response_tokens") as err:
+        run_from_config(compose_run(tmp_path, [*micro_train_overrides, own_cache]))
     assert "\n" not in str(err.value)
     assert not (tmp_path / "run" / "drafter").exists()
 
@@ -139,7 +157,11 @@ def test_nan_loss_stops_with_a_message_and_keeps_the_last_good_checkpoint(tmp_pa
     assert not (tmp_path / "run" / "drafter").exists()
 
 
-@pytest.mark.parametrize("field,value,needle", [("vocab_size", 999, "vocab 999"), ("target_layer_ids", [0, 1, 7], "taps")])
+@pytest.mark.parametrize("field,value,needle", [
+    ("vocab_size", 999, "vocab 999"),
+    ("target_layer_ids", [0, 1, 7], "taps"),
+    ("target_tokenizer_fingerprint", "0123456789abcdef", "tokenizer fingerprint 0123456789abcdef vs target"),
+])
 def test_init_from_a_drafter_of_another_target_is_refused(trained_run, micro_train_overrides, tmp_path, field, value, needle):
     from dflash2.drafter import save_drafter
 
@@ -150,6 +172,67 @@ def test_init_from_a_drafter_of_another_target_is_refused(trained_run, micro_tra
     save_drafter(DFlashDrafter(DrafterConfig.from_dict(config)), foreign)
     with pytest.raises(DFlash2Error, match=needle):
         run_from_config(compose_run(tmp_path, [*micro_train_overrides, f"drafter.init_from={foreign}"]))
+    assert not (tmp_path / "run" / "drafter").exists()
+
+
+def _truncated_copy(src: Path, dest: Path) -> Path:
+    data = src.read_bytes()
+    dest.write_bytes(data[: len(data) // 2])  # what a crash during a non-atomic copy leaves
+    return dest
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda run, tmp: _truncated_copy(run / "checkpoints" / "last.ckpt", tmp / "half.ckpt"), "truncated or not a checkpoint"),
+    (lambda run, tmp: (tmp / "notes.ckpt").write_text("not a checkpoint") and tmp / "notes.ckpt", "truncated or not a checkpoint"),
+    (lambda run, tmp: torch.save({"weights": torch.zeros(2)}, tmp / "other.ckpt") or tmp / "other.ckpt", "not a dflash2 drafter training checkpoint"),
+])
+def test_a_broken_or_foreign_ckpt_path_is_refused_before_any_work(trained_run, micro_train_overrides, tmp_path, monkeypatch, make, needle):
+    import dflash2.training.train_drafter as train_drafter_mod
+
+    tmp, _ = trained_run
+    ckpt = make(tmp / "run", tmp_path)
+
+    def no_regeneration(*args, **kwargs):
+        raise AssertionError("the checkpoint should be refused before any data work")
+
+    monkeypatch.setattr(train_drafter_mod, "regenerate_split", no_regeneration)
+    with pytest.raises(DFlash2Error, match=needle) as err:
+        run_from_config(compose_run(tmp_path, [*micro_train_overrides, f"ckpt_path={ckpt}"]))
+    assert "\n" not in str(err.value) and str(ckpt) in str(err.value)
+    assert not (tmp_path / "run" / "drafter").exists() and not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_resuming_with_another_drafter_config_names_the_field(trained_run, micro_train_overrides, tmp_path):
+    tmp, _ = trained_run
+    ckpt = tmp / "run" / "checkpoints" / "last.ckpt"
+    with pytest.raises(DFlash2Error, match="another drafter config .*num_hidden_layers: checkpoint 1 vs now 2") as err:
+        run_from_config(compose_run(tmp_path, [*micro_train_overrides, "drafter.num_hidden_layers=2", f"ckpt_path={ckpt}"]))
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "run" / "drafter").exists()
+
+
+def _raise_oom(*args, **kwargs):
+    # What a CUDA allocation failure raises (torch.cuda.OutOfMemoryError is the same class); CPU runs can raise it too.
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (GPU 0; 79.11 GiB total capacity)")
+
+
+@pytest.mark.parametrize("where,needle", [
+    ("training_step", r"out of GPU memory during drafter training; lower one of data.batch_size=4, drafter.num_anchors=6, "
+                      r"data.response_tokens=24.*bf16-mixed.*accumulate_grad_batches.*ckpt_path=last"),
+    ("regenerate_split", r"out of GPU memory during regeneration of training data by the target; lower one of "
+                         r"data.generation_batch_size=8"),
+])
+def test_gpu_out_of_memory_names_the_knobs_and_writes_no_drafter(micro_train_overrides, tmp_path, monkeypatch, where, needle):
+    import dflash2.training.train_drafter as train_drafter_mod
+    from dflash2.training.drafter_module import DrafterTrainingModule
+
+    if where == "training_step":
+        monkeypatch.setattr(DrafterTrainingModule, "training_step", _raise_oom)
+    else:
+        monkeypatch.setattr(train_drafter_mod, "regenerate_split", _raise_oom)
+    with pytest.raises(DFlash2Error, match=needle) as err:
+        run_from_config(compose_run(tmp_path, micro_train_overrides))
+    assert "\n" not in str(err.value) and isinstance(err.value.__cause__, torch.OutOfMemoryError)
     assert not (tmp_path / "run" / "drafter").exists()
 
 

@@ -43,6 +43,9 @@ class DrafterConfig:
     selector_top_k: int = 16  # the right token is in the top-16 99.5% of the time (§3)
     # --- provenance ---
     target_name_or_path: str | None = None
+    # dflash2.tokenizer.tokenizer_fingerprint of the target's tokenizer at training time; a target
+    # whose tokenizer hashes differently is refused (same vocab size, other ids). None: not recorded.
+    target_tokenizer_fingerprint: str | None = None
 
     # ------------------------------------------------------------------ helpers
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dflash2.drafter.config import DrafterConfig
 from dflash2.errors import DFlash2Error
+from dflash2.tokenizer import tokenizer_fingerprint
 
 
 def drafter_config_for_target(settings: dict, target) -> DrafterConfig:
@@ -51,13 +52,19 @@ def drafter_config_for_target(settings: dict, target) -> DrafterConfig:
         selector_rank=int(settings["selector_rank"]),
         selector_top_k=int(settings["selector_top_k"]),
         target_name_or_path=str(target.name_or_path),
+        target_tokenizer_fingerprint=tokenizer_fingerprint(target.tokenizer) if target.tokenizer is not None else None,
     )
     config.validate()
     return config
 
 
 def check_drafter_matches_target(config: DrafterConfig, target) -> None:
-    """Refuse a drafter trained for another target (vocab, width, taps)."""
+    """Refuse a drafter trained for another target (vocab, width, taps, tokenizer).
+
+    The tokenizer is compared only when both sides know it: the drafter's config
+    records a fingerprint (drafters from elsewhere may not) and the target has
+    tokenizer files.
+    """
     problems = []
     if config.vocab_size != target.vocab_size:
         problems.append(f"vocab {config.vocab_size} vs target {target.vocab_size}")
@@ -65,6 +72,9 @@ def check_drafter_matches_target(config: DrafterConfig, target) -> None:
         problems.append(f"hidden size {config.hidden_size}/{config.target_hidden_size} vs target {target.hidden_size}")
     if max(config.target_layer_ids) >= target.num_layers:
         problems.append(f"taps {config.target_layer_ids} but the target has {target.num_layers} layers")
+    recorded = config.target_tokenizer_fingerprint
+    if recorded and target.tokenizer is not None and tokenizer_fingerprint(target.tokenizer) != recorded:
+        problems.append(f"tokenizer fingerprint {recorded} vs target {tokenizer_fingerprint(target.tokenizer)}: same ids mean other tokens")
     if problems:
         raise DFlash2Error(f"drafter was trained for another target ({'; '.join(problems)}); use the target it was trained with or train a new drafter")
 

@@ -37,6 +37,7 @@ def run(cfg) -> dict:
     from dflash2.drafter.io import load_drafter
     from dflash2.eval.acceptance import evaluate_acceptance
     from dflash2.eval.prompts import load_prompts
+    from dflash2.oom import EVAL_KNOBS, explain_oom, knob_hints
     from dflash2.target import TargetModel
 
     from omegaconf import OmegaConf
@@ -53,11 +54,13 @@ def run(cfg) -> dict:
                                          dtype=cfg.dtype, device=device)
     prompts = load_prompts(str(cfg.prompts), target.tokenizer, num_prompts=cfg.num_prompts,
                            prompt_tokens=int(cfg.prompt_tokens))
-    results = evaluate_acceptance(
-        target, drafter, prompts, temperature=float(cfg.temperature), top_k=int(cfg.top_k), top_p=float(cfg.top_p),
-        max_new_tokens=int(cfg.max_new_tokens), check_lossless=cfg.check_lossless, output_dir=cfg.paths.output_dir,
-        seed=int(cfg.seed), max_context=cfg.max_context,
-        settings={"drafter": str(cfg.drafter), "prompts": str(cfg.prompts), "target_path": str(target_path)})
+    # Prompts run one at a time, so memory grows with their length, not their number.
+    with explain_oom("speculative decoding", knob_hints(cfg, EVAL_KNOBS), extra=" (or load the target with dtype=bfloat16)"):
+        results = evaluate_acceptance(
+            target, drafter, prompts, temperature=float(cfg.temperature), top_k=int(cfg.top_k), top_p=float(cfg.top_p),
+            max_new_tokens=int(cfg.max_new_tokens), check_lossless=cfg.check_lossless, output_dir=cfg.paths.output_dir,
+            seed=int(cfg.seed), max_context=cfg.max_context,
+            settings={"drafter": str(cfg.drafter), "prompts": str(cfg.prompts), "target_path": str(target_path)})
     lossless = {None: "not checked", True: "true", False: "FALSE"}[results["lossless"]]
     print(f"mean tau {results['mean_tau']:.3f} over {results['steps']} steps, {results['num_prompts']} prompts "
           f"({results['skipped_prompts']} skipped); lossless {lossless}; results in {cfg.paths.output_dir}")

@@ -16,6 +16,7 @@ import torch
 from dflash2.drafter.objective import anchor_generator, block_labels, block_metrics, position_weights, sample_anchors, weighted_block_loss
 from dflash2.errors import DFlash2Error
 from dflash2.training.schedule import cosine_with_warmup
+from dflash2.training.preflight import drafter_config_differences
 
 
 class DrafterTrainingModule(L.LightningModule):
@@ -129,11 +130,10 @@ class DrafterTrainingModule(L.LightningModule):
         saved = checkpoint.get("dflash2", {}).get("drafter_config")
         if saved is None:
             return
-        now = self.drafter.config.to_dict()
-        diff = sorted(k for k in set(saved) | set(now) if k != "target_name_or_path" and saved.get(k) != now.get(k))
+        diff = drafter_config_differences(saved, self.drafter.config.to_dict())
         if diff:
             raise DFlash2Error(
                 "checkpoint was trained with a different drafter/target setup ("
-                + ", ".join(f"{k}: {saved.get(k)} vs now {now.get(k)}" for k in diff[:4])
+                + ", ".join(diff[:4])
                 + "); resume with the same target and drafter config, or start a new run"
             )

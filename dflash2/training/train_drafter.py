@@ -16,11 +16,18 @@ from dflash2.drafter.io import load_drafter, save_drafter
 from dflash2.drafter.model import DFlashDrafter
 from dflash2.drafter.objective import anchor_generator, block_metrics, expected_tau_from_accuracies
 from dflash2.errors import DFlash2Error
+from dflash2.oom import REGENERATION_KNOBS, TRAINING_KNOBS, explain_oom, knob_hints
 from dflash2.target import TargetModel
 from dflash2.training.drafter_data import DrafterDataModule, collate_sequences
 from dflash2.training.drafter_module import DrafterTrainingModule
 from dflash2.training.build_target import to_plain as plain
+from dflash2.training.preflight import check_blocks_fit_the_data, check_resume_checkpoint
 from dflash2.training.run import instantiate_callbacks, instantiate_loggers, regeneration_device
+
+
+# Memory savers that are not a smaller size: half precision, and the same batch in smaller pieces.
+OOM_TRAINING_ADVICE = (" (or set trainer.precision=bf16-mixed, or halve data.batch_size and set trainer.accumulate_grad_batches=2),"
+                       " then resume with ckpt_path=last")
 
 
 def load_target(cfg: DictConfig, target_dir) -> TargetModel:
@@ -43,13 +50,17 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     else:
         torch.manual_seed(seed)
         drafter = DFlashDrafter(config)
+    check_blocks_fit_the_data(drafter.config, int(settings["num_anchors"]), data)
     resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
+    if resume_from is not None:
+        check_resume_checkpoint(resume_from, drafter.config)
 
     cache_dir = Path(cfg.paths.cache_dir)
     device = regeneration_device(cfg)
     common = dict(seed=seed, cache_dir=cache_dir, target_id=str(target_dir), device=device)
-    train_ds = trainable_rows(regenerate_split(target, data, split="train", num_prompts=int(data["num_train_prompts"]), **common), "train")
-    val_ds = trainable_rows(regenerate_split(target, data, split="validation", num_prompts=int(data["num_val_prompts"]), **common), "validation")
+    with explain_oom("regeneration of training data by the target", knob_hints(cfg, REGENERATION_KNOBS)):
+        train_ds = trainable_rows(regenerate_split(target, data, split="train", num_prompts=int(data["num_train_prompts"]), **common), "train")
+        val_ds = trainable_rows(regenerate_split(target, data, split="validation", num_prompts=int(data["num_val_prompts"]), **common), "validation")
     target.model.cpu()
     print(f"[dflash2] data: {len(train_ds)} train / {len(val_ds)} validation regenerated sequences (cache {cache_dir / 'data'})", flush=True)
     n_params = sum(p.numel() for p in drafter.parameters())
@@ -67,14 +78,16 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     datamodule = DrafterDataModule(train_ds, val_ds, batch_size=int(data["batch_size"]), total_steps=total_steps, seed=seed, pad_id=pad_id, num_workers=int(data["num_workers"]))
     loggers = instantiate_loggers(cfg)
     trainer: L.Trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=instantiate_callbacks(cfg))
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
+    with explain_oom("drafter training", knob_hints(cfg, TRAINING_KNOBS), extra=OOM_TRAINING_ADVICE):
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
 
     drafter_dir = output_dir / "drafter"
     save_drafter(drafter.float().cpu(), drafter_dir)
     print(f"[dflash2] drafter saved to {drafter_dir}", flush=True)
 
-    heldout_ds = regenerate_split(target, data, split="heldout", num_prompts=int(data["num_val_prompts"]), **common)
-    report = heldout_report(module.to(device), heldout_ds, train_ds, pad_id=pad_id, batch_size=int(data["batch_size"]), seed=seed)
+    with explain_oom("the held-out report", knob_hints(cfg, ("data.generation_batch_size", "data.batch_size", "data.num_val_prompts"))):
+        heldout_ds = regenerate_split(target, data, split="heldout", num_prompts=int(data["num_val_prompts"]), **common)
+        report = heldout_report(module.to(device), heldout_ds, train_ds, pad_id=pad_id, batch_size=int(data["batch_size"]), seed=seed)
     report["steps"] = int(trainer.global_step)
     report["drafter_dir"] = str(drafter_dir)
     (output_dir / "train_summary.json").write_text(json.dumps(report, indent=2))

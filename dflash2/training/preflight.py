@@ -1,0 +1,70 @@
+"""Checks a drafter run makes before it spends time on data or training (issue 6).
+
+Each raises a one-line DFlash2Error naming the setting and the fix, so a bad
+combination fails in seconds instead of after regeneration, or (worse) trains
+quietly on blocks that can never be supervised.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dflash2.drafter.config import DrafterConfig
+from dflash2.errors import DFlash2Error
+
+
+def check_blocks_fit_the_data(config: DrafterConfig, num_anchors: int, data: dict) -> None:
+    """A block drafts ``block_size - 1`` tokens after an anchor inside one response.
+
+    data: the plain ``data`` config group. An anchor needs itself and the next
+    token in the response, so a response of R tokens has at most R - 1 anchor
+    positions, and positions k > R - 1 of a block are never labelled.
+    """
+    response = int(data["response_tokens"])
+    if num_anchors < 1:
+        raise DFlash2Error(f"drafter.num_anchors={num_anchors} must be >= 1 (blocks per training sequence)")
+    if config.block_size > response:
+        raise DFlash2Error(
+            f"drafter.block_size={config.block_size} is larger than data.response_tokens={response}: block positions past "
+            f"the response would never be trained; raise data.response_tokens to >= {config.block_size} or lower drafter.block_size"
+        )
+    if num_anchors > response - 1:
+        raise DFlash2Error(
+            f"drafter.num_anchors={num_anchors} but a sequence of data.response_tokens={response} has at most {response - 1} "
+            f"anchor positions; lower drafter.num_anchors to <= {response - 1} or raise data.response_tokens"
+        )
+
+
+def check_resume_checkpoint(path: str, config: DrafterConfig) -> None:
+    """``ckpt_path`` must be an intact drafter checkpoint of this run's architecture.
+
+    Lightning would otherwise fail deep inside ``fit`` with a zip or
+    state-dict traceback. Loaded memory-mapped: the tensors are not read.
+    """
+    try:  # our training checkpoints hold non-tensor objects: only resume from files you trust
+        ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as e:
+        raise DFlash2Error(
+            f"ckpt_path={path} is truncated or not a checkpoint ({type(e).__name__}); pass an intact .ckpt "
+            f"(an earlier one in {Path(path).parent}) or drop ckpt_path to start over"
+        ) from e
+    meta = ckpt.get("dflash2") if isinstance(ckpt, dict) else None
+    if not isinstance(meta, dict) or "drafter_config" not in meta or "state_dict" not in ckpt:
+        raise DFlash2Error(f"ckpt_path={path} is not a dflash2 drafter training checkpoint; pass a .ckpt written by train.py task=drafter")
+    differ = drafter_config_differences(dict(meta["drafter_config"]), config.to_dict())
+    if differ:
+        raise DFlash2Error(f"ckpt_path={path} was trained with another drafter config ({', '.join(differ[:4])}); "
+                           "resume with the run's original target and drafter settings, or start a new run")
+
+
+def drafter_config_differences(saved: dict, now: dict) -> list[str]:
+    """'field: checkpoint X vs now Y' for every architecture/target field that differs.
+
+    Paths are provenance only (a run folder may move); a field the checkpoint
+    does not have comes from an older dflash2 and is not compared.
+    """
+    provenance = {"target_name_or_path", "num_target_layers"}
+    keys = sorted(k for k in now if k in saved and k not in provenance and saved[k] != now[k])
+    return [f"{k}: checkpoint {saved[k]!r} vs now {now[k]!r}" for k in keys]
