@@ -109,6 +109,7 @@ def test_fast_dev_run_of_the_real_configs(tmp_path, micro_train_overrides, draft
         ("ckpt_path=/nonexistent/x.ckpt", "no checkpoint file"),
         ("drafter.block_size=32", "block_size=32 is larger than data.response_tokens=24"),
         ("drafter.num_anchors=24", "num_anchors=24 but .* at most 23 anchor positions"),
+        ("data.prompt_max_tokens=1010", r"1010 \+ data.response_tokens=24 = 1034 exceeds the target's context of 1024 positions"),
     ],
 )
 def test_bad_input_is_a_clear_error_and_writes_no_drafter(tmp_path, micro_train_overrides, override, needle):

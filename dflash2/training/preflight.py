@@ -37,6 +37,20 @@ def check_blocks_fit_the_data(config: DrafterConfig, num_anchors: int, data: dic
         )
 
 
+def check_sequences_fit_the_context(data: dict, max_positions: int | None) -> None:
+    """Prompt + response must fit the target's positions (``max_position_embeddings``; None: unknown, not checked).
+
+    Regeneration would otherwise run the target past its RoPE range, which
+    raises deep in the model or, worse, silently generates from garbage positions.
+    """
+    longest = int(data["prompt_max_tokens"]) + int(data["response_tokens"])
+    if max_positions is not None and longest > max_positions:
+        raise DFlash2Error(
+            f"data.prompt_max_tokens={data['prompt_max_tokens']} + data.response_tokens={data['response_tokens']} = {longest} "
+            f"exceeds the target's context of {max_positions} positions; lower one of them"
+        )
+
+
 def check_resume_checkpoint(path: str, config: DrafterConfig) -> None:
     """``ckpt_path`` must be an intact drafter checkpoint of this run's architecture.
 

@@ -21,7 +21,7 @@ from dflash2.target import TargetModel
 from dflash2.training.drafter_data import DrafterDataModule, collate_sequences
 from dflash2.training.drafter_module import DrafterTrainingModule
 from dflash2.training.build_target import to_plain as plain
-from dflash2.training.preflight import check_blocks_fit_the_data, check_resume_checkpoint
+from dflash2.training.preflight import check_blocks_fit_the_data, check_resume_checkpoint, check_sequences_fit_the_context
 from dflash2.training.run import instantiate_callbacks, instantiate_loggers, regeneration_device
 
 
@@ -51,6 +51,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
         torch.manual_seed(seed)
         drafter = DFlashDrafter(config)
     check_blocks_fit_the_data(drafter.config, int(settings["num_anchors"]), data)
+    check_sequences_fit_the_context(data, config.max_position_embeddings)
     resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
     if resume_from is not None:
         check_resume_checkpoint(resume_from, drafter.config)
