@@ -8,10 +8,21 @@ result is a `datasets` Arrow dataset with columns
     loss_mask  list[int]   1 on response tokens (EOS included), 0 elsewhere
     prompt_len int
 
-saved under `cache_dir/data/<fingerprint>/`, where the fingerprint hashes the
+saved under `cache_dir/data/<split>-<key>/`, where the key hashes the
 target, the corpus split and every generation setting: a rerun with the same
-inputs reuses it, a changed input regenerates. Writes go to a temporary folder
-renamed into place, so an interrupted run leaves no half dataset behind.
+inputs reuses it, a changed input regenerates. The dataset is written to a
+temporary folder renamed into place, so an interrupted run leaves no half
+dataset behind.
+
+Regeneration on a real target takes hours, so a kill must not lose it: every
+finished generation batch is also saved at once, atomically, to the partial
+folder `cache_dir/data/.<split>-<key>.partial/` (see `shard_store`), together
+with the sampling generator's state. A rerun with the same inputs loads those
+shards, skips their batches (the prompt batches are a function of the seed)
+and continues from the saved RNG state, so its dataset is row for row the one
+an uninterrupted run writes, greedy or sampled. The folder name depends only
+on the inputs (no pid) so that the rerun finds it; it is removed once the
+final dataset is in place.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from tqdm.auto import tqdm
 
 from dflash2.corpus import corpus_fingerprint, load_documents
 from dflash2.data.prompts import code_prompt_batches
+from dflash2.data.shard_store import Shard, ShardStore
 from dflash2.errors import DFlash2Error
 
 
@@ -121,21 +133,11 @@ def regenerate_split(target, data: dict, *, split: str, num_prompts: int, seed: 
         batch_size=int(data["generation_batch_size"]), seed=seed,
     )
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    generator = torch.Generator().manual_seed(seed)
     target.model.to(device)
-    rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "prompt_len": []}
-    response_len = int(data["response_tokens"])
-    for batch in tqdm(batches, desc=f"regenerating {split} responses", unit="batch"):
-        prompt = torch.from_numpy(batch.input_ids)
-        response = generate_responses(
-            target, prompt, max_new_tokens=response_len, eos_token_id=eos, pad_token_id=pad,
-            sample=data["sampling"] == "sample", temperature=float(data["temperature"]), generator=generator,
-        )
-        for p, r in zip(prompt.tolist(), response.tolist()):
-            mask = _response_mask(r, eos, pad)
-            rows["input_ids"].append(p + r)
-            rows["loss_mask"].append([0] * len(p) + mask)
-            rows["prompt_len"].append(len(p))
+    prompts = [torch.from_numpy(b.input_ids) for b in batches]
+    store = ShardStore(final.parent / f".{final.name}.partial")
+    responses = _generate_resumable(target, prompts, data, store, split=split, seed=seed, eos=eos, pad=pad)
+    rows = _dataset_rows(prompts, responses, eos, pad)
     if not any(any(m) for m in rows["loss_mask"]):
         raise DFlash2Error(f"regeneration of split '{split}' produced no response tokens (the target emits EOS at once?); check the target")
     dataset = datasets.Dataset.from_dict(rows)
@@ -146,7 +148,44 @@ def regenerate_split(target, data: dict, *, split: str, num_prompts: int, seed: 
         os.replace(tmp, final)
     else:
         shutil.rmtree(tmp)
+    store.remove()  # only now: until the rename above, the shards are the only copy of the work
     return datasets.load_from_disk(str(final))
+
+
+def _generate_resumable(target, prompts: list[torch.Tensor], data: dict, store: ShardStore, *, split: str, seed: int, eos: int, pad: int) -> list[torch.Tensor]:
+    """Responses (n, R) int64 for every prompt batch (n, P) int64, in order.
+
+    Batches that `store` already holds are loaded instead of generated; every
+    newly generated batch is saved there before the next one starts.
+    """
+    response_len = int(data["response_tokens"])
+    done = store.load(prompts, response_len)
+    generator = torch.Generator().manual_seed(seed)
+    if done:
+        # The state after the last saved batch: sampling continues as if never interrupted.
+        generator.set_state(done[-1].generator_state)
+        print(f"[dflash2] regeneration of {split}: resuming at batch {len(done)}/{len(prompts)} from {store.folder}", flush=True)
+    responses = [shard.response for shard in done]
+    steps = range(len(done), len(prompts))
+    for i in tqdm(steps, initial=len(done), total=len(prompts), desc=f"regenerating {split} responses", unit="batch"):
+        response = generate_responses(
+            target, prompts[i], max_new_tokens=response_len, eos_token_id=eos, pad_token_id=pad,
+            sample=data["sampling"] == "sample", temperature=float(data["temperature"]), generator=generator,
+        )
+        responses.append(response)
+        store.save(Shard(i, prompts[i], response, generator.get_state()))
+    return responses
+
+
+def _dataset_rows(prompts: list[torch.Tensor], responses: list[torch.Tensor], eos: int, pad: int) -> dict[str, list]:
+    """The dataset columns (see the module docstring) from prompt (n, P) and response (n, R) batches."""
+    rows: dict[str, list] = {"input_ids": [], "loss_mask": [], "prompt_len": []}
+    for prompt, response in zip(prompts, responses):
+        for p, r in zip(prompt.tolist(), response.tolist()):
+            rows["input_ids"].append(p + r)
+            rows["loss_mask"].append([0] * len(p) + _response_mask(r, eos, pad))
+            rows["prompt_len"].append(len(p))
+    return rows
 
 
 def _response_mask(response: list[int], eos: int, pad: int) -> list[int]:
