@@ -3,10 +3,15 @@
 Data order is a function of (seed, step) only: `StepSampler` walks seeded
 permutations of the dataset and starts at `global_step * batch_size`, so a run
 resumed from a checkpoint sees exactly the batches the uninterrupted run would
-have seen (no reliance on dataloader state).
+have seen (no reliance on dataloader state). The step is read each time
+iteration starts, not when the loader is built: after a mid-epoch resume
+Lightning ends the shortened epoch early and iterates the same loader again,
+and that pass must start at the step actually reached.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import lightning as L
 import numpy as np
@@ -18,14 +23,21 @@ class StepSampler(Sampler[int]):
     """Indices for steps [start_step, total_steps) of a run, `batch_size` per step.
 
     Epoch e of the data is permutation e (seeded by (seed, e)); the run's index
-    stream is their concatenation, cut to the run's steps.
+    stream is their concatenation, cut to the run's steps. `start_step` is an
+    int or a callable returning the current step, read when iteration starts.
     """
 
-    def __init__(self, dataset_len: int, batch_size: int, total_steps: int, seed: int, start_step: int = 0):
-        self.n, self.batch_size, self.total_steps, self.seed, self.start_step = dataset_len, batch_size, total_steps, seed, start_step
+    def __init__(self, dataset_len: int, batch_size: int, total_steps: int, seed: int, start_step: int | Callable[[], int] = 0):
+        self.n, self.batch_size, self.total_steps, self.seed = dataset_len, batch_size, total_steps, seed
+        self._start_step = start_step
+
+    @property
+    def start_step(self) -> int:
+        step = self._start_step() if callable(self._start_step) else self._start_step
+        return min(max(0, int(step)), self.total_steps)
 
     def __len__(self) -> int:
-        return max(0, self.total_steps - self.start_step) * self.batch_size
+        return (self.total_steps - self.start_step) * self.batch_size
 
     def __iter__(self):
         first, last = self.start_step * self.batch_size, self.total_steps * self.batch_size
@@ -62,13 +74,16 @@ class DrafterDataModule(L.LightningDataModule):
         self.batch_size, self.total_steps, self.seed = batch_size, total_steps, seed
         self.pad_id, self.num_workers = pad_id, num_workers
 
+    def _current_step(self) -> int:
+        return int(self.trainer.global_step) if self.trainer is not None else 0
+
     def _collate(self, rows):
         return collate_sequences(rows, self.pad_id)
 
     def train_dataloader(self) -> DataLoader:
-        # The trainer restores global_step before asking for loaders, so a resumed run starts where it stopped.
-        start = int(self.trainer.global_step) if self.trainer is not None else 0
-        sampler = StepSampler(len(self.train_dataset), self.batch_size, self.total_steps, self.seed, start)
+        # Lazy: the trainer restores global_step before iterating, and may iterate again after a
+        # shortened resumed epoch; each pass starts at the step reached (see the module docstring).
+        sampler = StepSampler(len(self.train_dataset), self.batch_size, self.total_steps, self.seed, self._current_step)
         return DataLoader(self.train_dataset, batch_size=self.batch_size, sampler=sampler, collate_fn=self._collate, num_workers=self.num_workers, drop_last=False)
 
     def val_dataloader(self) -> DataLoader:
