@@ -44,6 +44,58 @@ MICRO_RECIPE = {
 }
 
 
+# Hydra overrides that build the embedded target recipe (`experiment=target_tiny`) at
+# micro size in seconds (test_build_target.py, test_reproducibility.py).
+MICRO_TARGET_OVERRIDES = [
+    "experiment=target_tiny",
+    "target.recipe.vocab_size=320",
+    "target.recipe.hidden_size=32",
+    "target.recipe.intermediate_size=64",
+    "target.recipe.num_attention_heads=2",
+    "target.recipe.num_key_value_heads=1",
+    "target.recipe.head_dim=16",
+    "target.recipe.linear_num_key_heads=2",
+    "target.recipe.linear_num_value_heads=2",
+    "target.recipe.linear_key_head_dim=8",
+    "target.recipe.linear_value_head_dim=8",
+    "target.recipe.seq_len=32",
+    "target.recipe.batch_size=4",
+    "target.recipe.max_steps=3",
+    "target.recipe.warmup_steps=1",
+    "target.recipe.eval_windows=4",
+    "target.recipe.tokenizer_train_bytes=300000",
+    "target.recipe.max_train_tokens=20000",
+    "trainer.enable_progress_bar=false",
+]
+
+# Hydra overrides (besides paths.cache_dir and target.path) that make a drafter run of
+# `python train.py` take seconds on a micro target (micro_train_overrides, test_reproducibility.py).
+MICRO_DRAFTER_OVERRIDES = [
+    "target.target_layer_ids=[0,1,2]",
+    "data.num_train_prompts=24",
+    "data.num_val_prompts=8",
+    "data.response_tokens=24",
+    "data.prompt_min_tokens=8",
+    "data.prompt_max_tokens=16",
+    "data.generation_batch_size=8",
+    "data.batch_size=4",
+    "drafter.num_hidden_layers=1",
+    "drafter.num_attention_heads=2",
+    "drafter.num_key_value_heads=1",
+    "drafter.num_anchors=6",
+    "drafter.selector_rank=16",
+    "drafter.selector_top_k=4",
+    "drafter.lr=3e-3",
+    "trainer.max_steps=6",
+    "trainer.val_check_interval=3",
+    "trainer.log_every_n_steps=1",
+    "trainer.enable_progress_bar=false",
+    "~callbacks.progress_bar",
+    "callbacks.model_checkpoint.every_n_train_steps=3",
+    "logger=csv",
+]
+
+
 @pytest.fixture(scope="session")
 def micro_target_dir(tmp_path_factory):
     """A random-weight 3:1 hybrid target with a real BPE tokenizer, saved as an HF folder (seconds)."""
@@ -71,32 +123,7 @@ def micro_train_overrides(micro_target_dir, tmp_path_factory):
     of target + corpus + settings, so runs with the same data share it.
     """
     cache = tmp_path_factory.mktemp("dflash2_cache")
-    return [
-        f"paths.cache_dir={cache}",
-        f"target.path={micro_target_dir}",
-        "target.target_layer_ids=[0,1,2]",
-        "data.num_train_prompts=24",
-        "data.num_val_prompts=8",
-        "data.response_tokens=24",
-        "data.prompt_min_tokens=8",
-        "data.prompt_max_tokens=16",
-        "data.generation_batch_size=8",
-        "data.batch_size=4",
-        "drafter.num_hidden_layers=1",
-        "drafter.num_attention_heads=2",
-        "drafter.num_key_value_heads=1",
-        "drafter.num_anchors=6",
-        "drafter.selector_rank=16",
-        "drafter.selector_top_k=4",
-        "drafter.lr=3e-3",
-        "trainer.max_steps=6",
-        "trainer.val_check_interval=3",
-        "trainer.log_every_n_steps=1",
-        "trainer.enable_progress_bar=false",
-        "~callbacks.progress_bar",
-        "callbacks.model_checkpoint.every_n_train_steps=3",
-        "logger=csv",
-    ]
+    return [f"paths.cache_dir={cache}", f"target.path={micro_target_dir}", *MICRO_DRAFTER_OVERRIDES]
 
 
 # ---------------------------------------------------------------- spec decoding (issue 4)

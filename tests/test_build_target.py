@@ -1,48 +1,46 @@
-"""The embedded target recipe end to end, at micro size (issue 2): build, cache, reuse, determinism."""
+"""The embedded target recipe end to end, at micro size (issue 2): build, cache, reuse, determinism;
+and a build SIGKILLed mid-pretraining resumes to the same weights (issue 6)."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
+from conftest import MICRO_TARGET_OVERRIDES as MICRO
+from dflash2.training.build_target import build_work_dir, target_cache_key
 from dflash2.training.cli import CONFIG_DIR
 from dflash2.training.run import run_from_config
 
 pytestmark = pytest.mark.slow
 
-MICRO = [
-    "experiment=target_tiny",
-    "target.recipe.vocab_size=320",
-    "target.recipe.hidden_size=32",
-    "target.recipe.intermediate_size=64",
-    "target.recipe.num_attention_heads=2",
-    "target.recipe.num_key_value_heads=1",
-    "target.recipe.head_dim=16",
-    "target.recipe.linear_num_key_heads=2",
-    "target.recipe.linear_num_value_heads=2",
-    "target.recipe.linear_key_head_dim=8",
-    "target.recipe.linear_value_head_dim=8",
-    "target.recipe.seq_len=32",
-    "target.recipe.batch_size=4",
-    "target.recipe.max_steps=3",
-    "target.recipe.warmup_steps=1",
-    "target.recipe.eval_windows=4",
-    "target.recipe.tokenizer_train_bytes=300000",
-    "target.recipe.max_train_tokens=20000",
-    "trainer.enable_progress_bar=false",
-]
+
+REPO = Path(__file__).resolve().parents[1]
 
 
-def build(tmp_path, name, cache):
+def compose_cfg(overrides):
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("train", overrides=[*MICRO, f"paths.output_dir={tmp_path / name}", f"paths.cache_dir={cache}"])
+        cfg = compose("train", overrides=overrides)
     GlobalHydra.instance().clear()
-    return run_from_config(cfg)
+    return cfg
+
+
+def build_overrides(tmp_path, name, cache, *extra):
+    return [*MICRO, *extra, f"paths.output_dir={tmp_path / name}", f"paths.cache_dir={cache}"]
+
+
+def build(tmp_path, name, cache, *extra):
+    return run_from_config(compose_cfg(build_overrides(tmp_path, name, cache, *extra)))
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +88,146 @@ def test_rebuild_from_the_seed_is_identical(built):
     c = load_file(tmp / "c" / "target" / "model.safetensors")
     assert a.keys() == c.keys() and all(torch.equal(a[k], c[k]) for k in a)
     assert (tmp / "a" / "target" / "tokenizer.json").read_text() == (tmp / "c" / "target" / "tokenizer.json").read_text()
+
+
+# ----------------------------------------------------------------- SIGKILL mid-build, then resume
+
+# `python train.py` with the target's training step wrapped to SIGKILL the process when it
+# reaches a given step: a kill at a known point, between two checkpoints, with nothing else changed.
+KILLING_CHILD = """
+import os, signal, sys
+from dflash2.training.target_pretrain import CausalLMPretrainModule
+
+kill_at, train_step = int(sys.argv[1]), CausalLMPretrainModule.training_step
+
+def training_step(self, batch, batch_idx):
+    if self.global_step == kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return train_step(self, batch, batch_idx)
+
+CausalLMPretrainModule.training_step = training_step
+from dflash2.training.cli import main
+
+sys.argv = ["train.py", *sys.argv[2:]]
+main()
+"""
+KILL_AT = 5  # the step-4 checkpoint is written, step 4 is trained and lost, the step-6 checkpoint never comes
+EIGHT_STEPS = [o for o in MICRO if not o.startswith("target.recipe.max_steps=")] + ["target.recipe.max_steps=8"]
+EVERY = ["target.recipe.checkpoint_every_steps=2"]
+
+
+def build8(tmp_path, name, cache, *extra):
+    return run_from_config(compose_cfg([*EIGHT_STEPS, *extra, f"paths.output_dir={tmp_path / name}", f"paths.cache_dir={cache}"]))
+
+
+@pytest.fixture(scope="module")
+def reference8(tmp_path_factory):
+    """The 8-step build done without interruption (and without checkpoints: the default interval 50 > 8)."""
+    tmp = tmp_path_factory.mktemp("reference8")
+    build8(tmp, "reference", tmp / "cache")
+    return tmp / "reference" / "target", tmp / "cache"
+
+
+def assert_same_target(reference: Path, built: Path):
+    from safetensors.torch import load_file
+
+    a, b = load_file(reference / "model.safetensors"), load_file(built / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bitwise
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (reference / name).read_text() == (built / name).read_text(), name
+    info_a, info_b = (json.loads((folder / "build_info.json").read_text()) for folder in (reference, built))
+    assert info_a["heldout_cross_entropy"] == info_b["heldout_cross_entropy"]
+
+
+def test_sigkilled_build_resumes_to_the_weights_of_an_uninterrupted_build(tmp_path, request, capsys):
+    cache = tmp_path / "cache"
+    overrides = [*EIGHT_STEPS, *EVERY, f"paths.output_dir={tmp_path / 'killed'}", f"paths.cache_dir={cache}"]
+    final = cache / "targets" / f"tiny-{target_cache_key(compose_cfg(overrides))}"
+    work = build_work_dir(final)
+    env = dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="offline", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    log = tmp_path / "killed.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", KILLING_CHILD, str(KILL_AT), *overrides, f"hydra.run.dir={tmp_path / 'hydra'}"],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )
+    try:
+        reference, reference_cache = request.getfixturevalue("reference8")  # built meanwhile, unless already there
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL, log.read_text()[-3000:]
+    assert "[dflash2] resuming" not in log.read_text()
+    assert not final.exists()
+    assert sorted(p.name for p in work.iterdir()) == ["last.ckpt", "tokenizer.json"]  # no temp file left
+    assert torch.load(work / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 4
+
+    # The same build again (in-process): it resumes from step 4 and publishes the target.
+    capsys.readouterr()
+    build8(tmp_path, "resumed", cache, *EVERY)
+    printed = capsys.readouterr().out
+    assert f"[dflash2] resuming target build from step 4 ({work / 'last.ckpt'})" in printed.splitlines()
+    assert final.is_dir() and not work.exists()
+
+    # Bitwise the weights and tokenizer of the uninterrupted build (the checkpoint interval is not in the key).
+    assert (reference_cache / "targets" / final.name).is_dir()
+    assert_same_target(reference, tmp_path / "resumed" / "target")
+
+
+def test_build_resumed_early_in_its_epoch_sees_the_remaining_batches_in_order(tmp_path, reference8, monkeypatch, capsys):
+    """Resumed at step 2 of 8, more batches remain (6) than were done (2): Lightning then ends the resumed
+    "epoch" after 4 batches and iterates the loader again, which must continue at step 6, not repeat
+    steps 2-3. Here the first attempt dies by an exception (in-process) instead of SIGKILL."""
+    from dflash2.training.target_pretrain import CausalLMPretrainModule
+
+    reference, _ = reference8
+    train_step = CausalLMPretrainModule.training_step
+
+    def dies_at_step_3(self, batch, batch_idx):
+        if self.global_step == 3:
+            raise RuntimeError("died at step 3")
+        return train_step(self, batch, batch_idx)
+
+    monkeypatch.setattr(CausalLMPretrainModule, "training_step", dies_at_step_3)
+    with pytest.raises(RuntimeError, match="died at step 3"):
+        build8(tmp_path, "died", tmp_path / "cache", *EVERY)
+    monkeypatch.setattr(CausalLMPretrainModule, "training_step", train_step)
+    [final] = reference8[1].joinpath("targets").glob("tiny-*")  # the same key: the interval is not part of it
+    work = build_work_dir(tmp_path / "cache" / "targets" / final.name)
+    assert not (tmp_path / "cache" / "targets" / final.name).exists() and torch.load(work / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 2
+
+    capsys.readouterr()
+    build8(tmp_path, "resumed", tmp_path / "cache", *EVERY)
+    assert f"[dflash2] resuming target build from step 2 ({work / 'last.ckpt'})" in capsys.readouterr().out.splitlines()
+    assert not work.exists()
+    assert_same_target(reference, tmp_path / "resumed" / "target")
+
+
+def test_a_second_build_of_the_same_target_waits_for_the_first_and_reuses_it(tmp_path, reference8, monkeypatch, capsys):
+    """Builds of one target share its work folder, so `ensure_target` lets one process build at a time."""
+    import fcntl
+    import threading
+
+    import dflash2.training.build_target as bt
+
+    cfg = compose_cfg([*EIGHT_STEPS, f"paths.output_dir={tmp_path / 'run'}", f"paths.cache_dir={tmp_path / 'cache'}"])
+    final = tmp_path / "cache" / "targets" / f"tiny-{target_cache_key(cfg)}"
+    final.parent.mkdir(parents=True)
+
+    def must_not_build(*args, **kwargs):
+        raise AssertionError("built again instead of waiting for the build in progress")
+
+    monkeypatch.setattr(bt, "build_embedded_target", must_not_build)
+    result = {}
+    with open(final.parent / f".{final.name}.lock", "a") as lock:  # "another process" is building
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        waiter = threading.Thread(target=lambda: result.update(path=bt.ensure_target(cfg)))
+        waiter.start()
+        waiter.join(timeout=2.0)
+        assert waiter.is_alive() and not result  # waiting, not building
+        shutil.copytree(reference8[1] / "targets" / final.name, final)  # the other build publishes its target
+    waiter.join(timeout=30)
+    assert result["path"] == final
+    assert f"[dflash2] waiting for another process that is building {final}" in capsys.readouterr().out.splitlines()

@@ -8,6 +8,19 @@
   same settings reuses it and a changed setting rebuilds it.
 The build is written to a temporary folder and renamed into place, so the cache
 never holds a half-built target.
+
+Crash safety (issue 6): while it runs, a build keeps a work folder
+`paths.cache_dir/targets/.<name>-<key>.build/` with the trained tokenizer and a
+Lightning checkpoint `last.ckpt` every `recipe.checkpoint_every_steps` steps
+(written atomically by `AtomicCheckpointIO`). A build killed mid-way (SIGKILL,
+power loss) resumes from that checkpoint the next time the same target is asked
+for, with the same data order, and gives bitwise the same weights as a build
+that never stopped; the work folder is removed once the target is in place.
+Bitwise because all state that matters is in the checkpoint (weights, AdamW
+moments and step counts, the LR schedule's step, the loop's global_step) and the
+training step draws no random numbers (the model has no dropout; windows come
+from per-index generators), so the global RNG state, which Lightning does not
+save, plays no part. `build_seconds` in build_info.json counts the last attempt.
 """
 
 from __future__ import annotations
@@ -18,6 +31,8 @@ import logging
 import os
 import shutil
 import time
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +43,12 @@ from omegaconf import DictConfig, OmegaConf
 from dflash2.corpus import corpus_fingerprint, load_documents
 from dflash2.errors import DFlash2Error
 from dflash2.target_recipe import hybrid_target_config
-from dflash2.tokenizer import EOS_TOKEN, PAD_TOKEN, encode_documents, train_bpe_tokenizer
+from dflash2.tokenizer import EOS_TOKEN, PAD_TOKEN, encode_documents, train_bpe_tokenizer, wrap_tokenizer
+from dflash2.training.atomic_checkpoint_io import AtomicCheckpointIO
 from dflash2.training.target_pretrain import (
     CausalLMPretrainModule,
     RandomWindows,
+    ResumableWindowsData,
     consecutive_windows,
     heldout_cross_entropy,
     perplexity,
@@ -41,6 +58,10 @@ from dflash2.training.target_pretrain import (
 log = logging.getLogger(__name__)
 RECIPE_VERSION = 1  # bump when the build procedure changes in a way that changes results
 BUILD_INFO = "build_info.json"
+# Recipe keys that change how a build runs but not what it produces: left out of the cache key.
+NON_RESULT_RECIPE_KEYS = ("checkpoint_every_steps",)
+LAST_CKPT = "last.ckpt"
+WORK_TOKENIZER = "tokenizer.json"
 
 
 def to_plain(node: Any) -> Any:
@@ -51,8 +72,9 @@ def to_plain(node: Any) -> Any:
 def target_cache_key(cfg: DictConfig) -> str:
     """Hash of everything the built target depends on."""
     sources = list(to_plain(cfg.data.sources)) + list(to_plain(cfg.target.recipe.get("extra_sources", [])) or [])
+    recipe = {k: v for k, v in to_plain(cfg.target.recipe).items() if k not in NON_RESULT_RECIPE_KEYS}
     payload = {
-        "recipe": to_plain(cfg.target.recipe),
+        "recipe": recipe,
         "corpus": corpus_fingerprint(sources, "train", **_split_kwargs(cfg)),
         "seed": int(cfg.seed),
         "version": RECIPE_VERSION,
@@ -74,9 +96,35 @@ def ensure_target(cfg: DictConfig) -> Path | str:
     final = cache_root / f"{cfg.target.name}-{target_cache_key(cfg)}"
     if (final / BUILD_INFO).exists():
         log.info("reusing cached target %s", final)
+        shutil.rmtree(build_work_dir(final), ignore_errors=True)  # left if a build died right after publishing
         return final
-    build_embedded_target(cfg, final)
+    with _build_lock(final):  # builds of one target share a work folder: one at a time
+        if not (final / BUILD_INFO).exists():  # else built by the process we waited for
+            build_embedded_target(cfg, final)
     return final
+
+
+@contextmanager
+def _build_lock(final: Path):
+    """Hold an exclusive lock on `.<final name>.lock` next to `final` (POSIX `flock`).
+
+    A second process asking for the same target waits here, then finds it built. The
+    kernel drops the lock when its holder dies, even by SIGKILL. Without `fcntl`
+    (Windows) there is no lock.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.parent / f".{final.name}.lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"[dflash2] waiting for another process that is building {final}", flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield  # unlocked when the file is closed
 
 
 def publish_target(source: Path | str, output_dir: Path) -> Path | str:
@@ -100,14 +148,59 @@ def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
+def build_work_dir(final: Path) -> Path:
+    """Where the build of `final` keeps its tokenizer and checkpoints until it is published."""
+    return final.parent / f".{final.name}.build"
+
+
+def _checkpoint_step(path: Path) -> int | None:
+    """`global_step` of a Lightning checkpoint, or None if it is missing or unreadable."""
+    try:
+        return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["global_step"])
+    except FileNotFoundError:
+        return None
+    except Exception as err:  # written atomically, so this needs a damaged disk or a foreign file
+        print(f"[dflash2] ignoring unreadable target-build checkpoint {path} ({type(err).__name__}: {err}); starting over", flush=True)
+        return None
+
+
+def _work_tokenizer(work: Path, train):
+    """The build's tokenizer: the one saved in `work` by an earlier (killed) attempt, else `train()` saved there.
+
+    Saved as the backend `tokenizer.json` and wrapped again with `wrap_tokenizer`, so the
+    reloaded tokenizer is the trained one (the training is deterministic, too).
+    """
+    from tokenizers import Tokenizer
+
+    saved = work / WORK_TOKENIZER
+    if saved.exists():
+        return wrap_tokenizer(Tokenizer.from_str(saved.read_text(encoding="utf-8")))
+    tokenizer = train()
+    tmp = work / f".{WORK_TOKENIZER}.tmp-{os.getpid()}"
+    tmp.write_text(tokenizer.backend_tokenizer.to_str(), encoding="utf-8")
+    os.replace(tmp, saved)
+    return tokenizer
+
+
 def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
-    """Train tokenizer + hybrid target from the recipe and save it to `final`."""
+    """Train tokenizer + hybrid target from the recipe and save it to `final`.
+
+    Resumes from `build_work_dir(final)/last.ckpt` when an earlier attempt left one.
+    """
     recipe = cfg.target.recipe
     seed = int(cfg.seed)
     started = time.time()
     L.seed_everything(seed, workers=True, verbose=False)
     sources = list(to_plain(cfg.data.sources)) + list(to_plain(recipe.get("extra_sources", [])) or [])
     print(f"[dflash2] building target '{cfg.target.name}' (not in cache) -> {final}", flush=True)
+    work = build_work_dir(final)
+    work.mkdir(parents=True, exist_ok=True)
+    resume_from = work / LAST_CKPT
+    resume_step = _checkpoint_step(resume_from)
+    if resume_step is None:
+        resume_from.unlink(missing_ok=True)
+    else:
+        print(f"[dflash2] resuming target build from step {resume_step} ({resume_from})", flush=True)
 
     train_docs = load_documents(sources, "train", **_split_kwargs(cfg))
     heldout_docs = load_documents(sources, "heldout", **_split_kwargs(cfg))
@@ -115,7 +208,9 @@ def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
         raise DFlash2Error(f"corpus {sources} gave {len(train_docs)} train and {len(heldout_docs)} held-out documents; add more sources")
     print(f"[dflash2] corpus: {len(train_docs)} train / {len(heldout_docs)} held-out documents", flush=True)
 
-    tokenizer = train_bpe_tokenizer((d.text for d in train_docs), vocab_size=int(recipe.vocab_size), max_train_bytes=int(recipe.tokenizer_train_bytes))
+    tokenizer = _work_tokenizer(
+        work, lambda: train_bpe_tokenizer((d.text for d in train_docs), vocab_size=int(recipe.vocab_size), max_train_bytes=int(recipe.tokenizer_train_bytes))
+    )
     train_tokens = encode_documents(tokenizer, _take_tokens(train_docs, tokenizer, int(recipe.max_train_tokens)))
     heldout_tokens = encode_documents(tokenizer, heldout_docs, show_progress=False)
     print(f"[dflash2] tokens: {len(train_tokens):,} train / {len(heldout_tokens):,} held-out", flush=True)
@@ -131,8 +226,15 @@ def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
 
     steps = int(recipe.max_steps)
     dataset = RandomWindows(train_tokens, int(recipe.seq_len), steps * int(recipe.batch_size), seed)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=int(recipe.batch_size), shuffle=False, num_workers=0)
+    data = ResumableWindowsData(dataset, int(recipe.batch_size), steps)  # batch s = windows [s*B, (s+1)*B), also on resume
     module = CausalLMPretrainModule(model, float(recipe.lr), float(recipe.weight_decay), int(recipe.warmup_steps), steps)
+    every = int(recipe.get("checkpoint_every_steps") or 0)
+    callbacks = []
+    if every > 0:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        # Only last.ckpt (save_top_k=0), replaced atomically every `every` steps; a fixed name, no -v1 versions.
+        callbacks.append(ModelCheckpoint(dirpath=work, save_top_k=0, save_last=True, every_n_train_steps=every, enable_version_counter=False))
     trainer = L.Trainer(
         accelerator=cfg.trainer.get("accelerator", "cpu"),
         devices=1,
@@ -140,12 +242,17 @@ def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
         max_steps=steps,
         gradient_clip_val=1.0,
         logger=False,
-        enable_checkpointing=False,
+        callbacks=callbacks,
+        enable_checkpointing=every > 0,
+        plugins=[AtomicCheckpointIO()],
         enable_model_summary=False,
         log_every_n_steps=10,
-        default_root_dir=str(final.parent),
+        default_root_dir=str(work),
     )
-    trainer.fit(module, loader)
+    with warnings.catch_warnings():
+        # Lightning warns that a plain DataLoader can't resume mid-epoch; ours restarts at the restored step.
+        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
+        trainer.fit(module, datamodule=data, ckpt_path=str(resume_from) if resume_step is not None else None)
 
     model = module.model.float().cpu().eval()
     windows = consecutive_windows(heldout_tokens, int(recipe.seq_len), int(recipe.eval_windows))
@@ -177,6 +284,7 @@ def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
         shutil.rmtree(tmp)
     else:
         os.replace(tmp, final)
+    shutil.rmtree(work, ignore_errors=True)  # the target is in place: its checkpoints are no longer needed
     print(format_target_report(info), flush=True)
     return info
 

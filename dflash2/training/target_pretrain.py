@@ -1,7 +1,9 @@
 """Pretraining of the embedded default target with Lightning (DESIGN §8).
 
 The pieces: a map-style dataset of random token windows (deterministic per
-index, so a rebuild from the same seed sees the same batches), a
+index, so a rebuild from the same seed sees the same batches), a data module
+whose train loader starts at the trainer's current step (so a build resumed
+from a checkpoint sees the batches the uninterrupted build would have seen), a
 LightningModule around the HF causal LM, and held-out evaluation next to
 unigram baselines.
 """
@@ -9,11 +11,12 @@ unigram baselines.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from dflash2.training.schedule import cosine_with_warmup
 
@@ -37,6 +40,51 @@ class RandomWindows(Dataset):
     def __getitem__(self, i: int) -> torch.Tensor:
         start = int(np.random.default_rng((self.seed, i)).integers(0, len(self.tokens) - self.seq_len))
         return torch.from_numpy(self.tokens[start : start + self.seq_len].astype(np.int64))
+
+
+class FromStepSampler(Sampler[int]):
+    """Indices ``[step * batch_size, total_steps * batch_size)`` in order, where ``step = current_step()``
+    is read each time iteration starts.
+
+    Batch s of a run is therefore always items ``[s * batch_size, (s + 1) * batch_size)``, whether
+    the run started at 0 or was resumed from a checkpoint at step s0 (Lightning restores
+    ``global_step`` but does not skip the batches of a plain DataLoader already seen in the
+    epoch). Reading the step lazily also covers Lightning ending the resumed "epoch" early
+    and iterating the loader again: the new pass starts at the step actually reached.
+    """
+
+    def __init__(self, batch_size: int, total_steps: int, current_step: Callable[[], int]):
+        self.batch_size, self.total_steps, self.current_step = int(batch_size), int(total_steps), current_step
+
+    def _first_step(self) -> int:
+        return min(max(0, int(self.current_step())), self.total_steps)
+
+    def __len__(self) -> int:
+        return (self.total_steps - self._first_step()) * self.batch_size
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self._first_step() * self.batch_size, self.total_steps * self.batch_size))
+
+
+class ResumableWindowsData(L.LightningDataModule):
+    """The pretraining loader: batches of `dataset` (e.g. `RandomWindows`) from the trainer's current step on.
+
+    With ``global_step == 0`` this is exactly ``DataLoader(dataset, batch_size, shuffle=False)``
+    cut to `total_steps` batches, i.e. the order of a build that never resumes.
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, total_steps: int):
+        super().__init__()
+        self.dataset, self.batch_size, self.total_steps = dataset, int(batch_size), int(total_steps)
+        if len(dataset) < self.batch_size * self.total_steps:
+            raise ValueError(f"{len(dataset)} items are fewer than {self.total_steps} steps of {self.batch_size}")
+
+    def _current_step(self) -> int:
+        return int(self.trainer.global_step) if self.trainer is not None else 0
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = FromStepSampler(self.batch_size, self.total_steps, self._current_step)
+        return DataLoader(self.dataset, batch_size=self.batch_size, sampler=sampler, num_workers=0)
 
 
 def consecutive_windows(tokens: np.ndarray, seq_len: int, max_windows: int) -> torch.Tensor:
