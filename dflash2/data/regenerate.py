@@ -43,15 +43,43 @@ from dflash2.errors import DFlash2Error
 
 
 def target_fingerprint(name_or_path: str | Path) -> str:
-    """Identity of a target: its config and weight file names/sizes (or the hub id)."""
+    """Identity of a target: its config, tokenizer and weight *contents* (or the hub id).
+
+    The regenerated data is the target's output, so two targets with the same
+    architecture but other weights (a retrained recipe, a new checkpoint at the
+    same path) must not share cached data: the weights themselves are hashed.
+    """
     path = Path(str(name_or_path))
     if not path.is_dir():
         return f"hub:{name_or_path}"
-    h = hashlib.sha256((path / "config.json").read_bytes() if (path / "config.json").exists() else b"")
+    h = hashlib.sha256()
     for f in sorted(path.iterdir()):
-        if f.suffix in (".safetensors", ".bin"):
-            h.update(f"{f.name}:{f.stat().st_size}".encode())
+        if f.name in ("config.json", "tokenizer.json", "tokenizer_config.json") or f.suffix in (".safetensors", ".bin"):
+            h.update(f"{f.name}:{f.stat().st_size}:".encode())
+            h.update(_content_digest(f))
     return h.hexdigest()[:16]
+
+
+def _content_digest(path: Path, full_below: int = 256 << 20, samples: int = 256, sample_bytes: int = 64 << 10) -> bytes:
+    """sha256 of a file's bytes; above `full_below` bytes, of its first MiB plus `samples` evenly spaced chunks.
+
+    Hashing a 16 GB checkpoint in full would add minutes to every run; any
+    training step changes essentially every weight, so sampled chunks (and the
+    safetensors header in the first MiB, which has every shape and offset)
+    already tell two sets of weights apart.
+    """
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= full_below:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+            return h.digest()
+        h.update(f.read(1 << 20))
+        for i in range(samples):
+            f.seek((size - sample_bytes) * i // (samples - 1))
+            h.update(f.read(sample_bytes))
+    return h.digest()
 
 
 def generation_settings(data: dict, split: str, num_prompts: int, seed: int) -> dict:

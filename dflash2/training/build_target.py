@@ -211,7 +211,7 @@ def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
     tokenizer = _work_tokenizer(
         work, lambda: train_bpe_tokenizer((d.text for d in train_docs), vocab_size=int(recipe.vocab_size), max_train_bytes=int(recipe.tokenizer_train_bytes))
     )
-    train_tokens = encode_documents(tokenizer, _take_tokens(train_docs, tokenizer, int(recipe.max_train_tokens)))
+    train_tokens = encode_documents(tokenizer, _take_tokens(train_docs, tokenizer, int(recipe.max_train_tokens), seed))
     heldout_tokens = encode_documents(tokenizer, heldout_docs, show_progress=False)
     print(f"[dflash2] tokens: {len(train_tokens):,} train / {len(heldout_tokens):,} held-out", flush=True)
 
@@ -289,7 +289,7 @@ def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
     return info
 
 
-def _take_tokens(docs, tokenizer, max_tokens: int):
+def _take_tokens(docs, tokenizer, max_tokens: int, seed: int):
     """A seeded shuffle of the documents, cut once about `max_tokens` tokens (≈3.3 bytes/token) are covered.
 
     Shuffled so that a budget smaller than the corpus still spans all modules
@@ -299,7 +299,7 @@ def _take_tokens(docs, tokenizer, max_tokens: int):
 
     budget_bytes = int(max_tokens * 3.5)
     taken, used = [], 0
-    for i in np.random.default_rng(0).permutation(len(docs)):
+    for i in np.random.default_rng(seed).permutation(len(docs)):
         d = docs[int(i)]
         taken.append(d)
         used += len(d.text.encode("utf-8", errors="replace"))
