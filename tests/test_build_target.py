@@ -231,3 +231,18 @@ def test_a_second_build_of_the_same_target_waits_for_the_first_and_reuses_it(tmp
     waiter.join(timeout=30)
     assert result["path"] == final
     assert f"[dflash2] waiting for another process that is building {final}" in capsys.readouterr().out.splitlines()
+
+
+def test_gpu_out_of_memory_in_pretraining_names_the_recipe_knobs(tmp_path, monkeypatch):
+    from dflash2.errors import DFlash2Error
+    from dflash2.training.target_pretrain import CausalLMPretrainModule
+
+    def oom(self, batch, batch_idx):  # what a CUDA allocation failure raises; CPU CI cannot exhaust a GPU
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB")
+
+    monkeypatch.setattr(CausalLMPretrainModule, "training_step", oom)
+    with pytest.raises(DFlash2Error, match=r"^out of GPU memory during target pretraining; lower one of target.recipe.batch_size=4, "
+                                           r"target.recipe.seq_len=32, target.recipe.hidden_size=32, then rerun to resume") as err:
+        build(tmp_path, "oom", tmp_path / "cache")
+    assert "\n" not in str(err.value)
+    assert not list((tmp_path / "cache" / "targets").glob("tiny-*")) and not (tmp_path / "oom" / "target").exists()

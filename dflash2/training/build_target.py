@@ -42,6 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash2.corpus import corpus_fingerprint, load_documents
 from dflash2.errors import DFlash2Error
+from dflash2.oom import explain_oom, knob_hints
 from dflash2.target_recipe import hybrid_target_config
 from dflash2.tokenizer import EOS_TOKEN, PAD_TOKEN, encode_documents, train_bpe_tokenizer, wrap_tokenizer
 from dflash2.training.atomic_checkpoint_io import AtomicCheckpointIO
@@ -249,7 +250,8 @@ def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
         log_every_n_steps=10,
         default_root_dir=str(work),
     )
-    with warnings.catch_warnings():
+    oom_hints = knob_hints(cfg, ("target.recipe.batch_size", "target.recipe.seq_len", "target.recipe.hidden_size"))
+    with warnings.catch_warnings(), explain_oom("target pretraining", oom_hints, extra=", then rerun to resume from the last build checkpoint"):
         # Lightning warns that a plain DataLoader can't resume mid-epoch; ours restarts at the restored step.
         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
         trainer.fit(module, datamodule=data, ckpt_path=str(resume_from) if resume_step is not None else None)
