@@ -10,12 +10,26 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from pathlib import Path
+
 import pytest
 import torch
 
 # One thread: tiny test models gain nothing from more, and oversubscribed OpenMP
 # threads (several processes on 2 cores) slow small matmuls down by 10-40x.
 torch.set_num_threads(1)
+
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """Environment for a child `python` of a test: the repo and tests importable *in front of* the
+    caller's PYTHONPATH (kept: the GPU image installs the extra wheels there), offline wandb, 1 thread."""
+    path = os.pathsep.join(p for p in (str(REPO), str(TESTS), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1",
+            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **extra}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,7 +4,6 @@ and a build SIGKILLed mid-pretraining resumes to the same weights (issue 6)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -16,7 +15,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from conftest import MICRO_TARGET_OVERRIDES as MICRO
+from conftest import MICRO_TARGET_OVERRIDES as MICRO, subprocess_env
 from dflash2.training.build_target import build_work_dir, target_cache_key
 from dflash2.training.cli import CONFIG_DIR
 from dflash2.training.run import run_from_config
@@ -144,7 +143,7 @@ def test_sigkilled_build_resumes_to_the_weights_of_an_uninterrupted_build(tmp_pa
     overrides = [*EIGHT_STEPS, *EVERY, f"paths.output_dir={tmp_path / 'killed'}", f"paths.cache_dir={cache}"]
     final = cache / "targets" / f"tiny-{target_cache_key(compose_cfg(overrides))}"
     work = build_work_dir(final)
-    env = dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="offline", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env = subprocess_env()
     log = tmp_path / "killed.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(

@@ -1,13 +1,13 @@
 """The embedded corpus: deterministic splits, file decoding, source errors."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import subprocess_env
 from dflash2.corpus import (
     SPLITS,
     corpus_fingerprint,
@@ -54,7 +54,7 @@ def test_split_of_agrees_across_processes():
     keys = [f"stdlib:mod{i}.py" for i in range(300)]
     code = ("import json,sys; from dflash2.corpus import split_of; "
             "print(json.dumps([split_of(k) for k in json.loads(sys.argv[1])]))")
-    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(REPO)}
+    env = subprocess_env(PYTHONHASHSEED="12345")
     out = subprocess.run([sys.executable, "-c", code, json.dumps(keys)], env=env, cwd=REPO,
                          capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == [split_of(k) for k in keys]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import subprocess_env
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from lightning.pytorch import Callback
@@ -113,7 +114,7 @@ def run_in_process(overrides: list[str]) -> dict:
 
 
 def launch(overrides: list[str], log: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS)]), WANDB_MODE="offline", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env = subprocess_env()
     return subprocess.Popen([sys.executable, "train.py", *overrides], cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 

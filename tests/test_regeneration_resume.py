@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import subprocess_env
 from dflash2.data import regenerate
 from dflash2.target import TargetModel
 
@@ -95,7 +96,7 @@ def reference(micro_target, micro_target_dir, tmp_path_factory):
 
 
 def launch_child(target_dir: Path, cache: Path, data: dict, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="offline", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env = subprocess_env()
     args = [str(target_dir), str(cache), json.dumps(data), str(KILL_AFTER), str(NUM_PROMPTS), str(SEED), json.dumps(LAYERS)]
     return subprocess.Popen([sys.executable, "-c", CHILD, *args], cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import MICRO_DRAFTER_OVERRIDES, MICRO_TARGET_OVERRIDES
+from conftest import MICRO_DRAFTER_OVERRIDES, MICRO_TARGET_OVERRIDES, subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -112,8 +111,7 @@ def one_run(root: str) -> None:
 
 def launch_run(root: Path, hash_seed: str) -> str:
     """`one_run(root)` in a fresh interpreter; returns its log."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS)]), PYTHONHASHSEED=hash_seed,
-               WANDB_MODE="offline", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env = subprocess_env(PYTHONHASHSEED=hash_seed)
     code = "import sys, test_reproducibility as t; t.one_run(sys.argv[1])"
     log = root.parent / f"{root.name}.log"
     root.mkdir(parents=True)

@@ -2,7 +2,6 @@
 
 import hashlib
 import json
-import os
 import random
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
+from conftest import subprocess_env
 from dflash2.corpus import Document, load_documents
 from dflash2.errors import DFlash2Error
 from dflash2.tokenizer import (
@@ -141,7 +141,7 @@ def test_training_is_deterministic_across_processes(tok, train_texts, tmp_path):
             "t = train_bpe_tokenizer(json.load(open(sys.argv[1])), vocab_size=int(sys.argv[2]), "
             "max_train_bytes=int(sys.argv[3])); "
             "print(hashlib.sha256(t.backend_tokenizer.to_str().encode()).hexdigest())")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = subprocess_env()
     out = subprocess.run([sys.executable, "-c", code, str(corpus), str(VOCAB), str(TRAIN_BYTES)],
                          env=env, cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert out.strip() == hashlib.sha256(tok.backend_tokenizer.to_str().encode()).hexdigest()

@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 from pathlib import Path
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 

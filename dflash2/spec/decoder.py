@@ -28,7 +28,7 @@ Shapes: N rows, P prompt length, B block size, V vocab, K·d concatenated taps.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, Sequence
+from typing import Iterable, Protocol
 
 import torch
 
