@@ -12,6 +12,8 @@ import os
 import socket
 from pathlib import Path
 
+from dflash2.errors import DFlash2Error
+
 
 def wandb_mode(requested: str = "auto") -> str:
     """Resolve `auto` into `online` or `offline`; an explicit mode passes through.
@@ -45,6 +47,10 @@ def make_wandb_logger(project: str = "dflash2", name: str | None = None, save_di
     resolved = wandb_mode(mode)
     if resolved == "disabled":
         return None
+    try:
+        import wandb  # noqa: F401  (Lightning's WandbLogger needs it; fail here with the fix instead)
+    except ImportError as err:
+        raise DFlash2Error("logger=wandb needs the wandb package: pip install wandb, or pick logger=csv or logger=tensorboard") from err
     from lightning.pytorch.loggers import WandbLogger
 
     os.environ["WANDB_MODE"] = resolved  # also governs wandb's own subprocess

@@ -46,18 +46,31 @@ def run_from_config(cfg: DictConfig) -> dict:
     return summary
 
 
+def instantiate_user_facing(node: DictConfig):
+    """`hydra.utils.instantiate`, but a DFlash2Error raised by the factory reaches the user as itself
+    (one line), not wrapped in Hydra's multi-line InstantiationException."""
+    from hydra.errors import InstantiationException
+
+    try:
+        return instantiate(node)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, DFlash2Error):
+            raise err.__cause__ from None
+        raise
+
+
 def instantiate_loggers(cfg: DictConfig) -> list:
     loggers = []
     for name, node in (cfg.get("logger") or {}).items():
         if node is not None and "_target_" in node:
-            logger = instantiate(node)
+            logger = instantiate_user_facing(node)
             if logger is not None:
                 loggers.append(logger)
     return loggers
 
 
 def instantiate_callbacks(cfg: DictConfig) -> list:
-    return [instantiate(node) for node in (cfg.get("callbacks") or {}).values() if node is not None and "_target_" in node]
+    return [instantiate_user_facing(node) for node in (cfg.get("callbacks") or {}).values() if node is not None and "_target_" in node]
 
 
 def regeneration_device(cfg: DictConfig) -> str:
