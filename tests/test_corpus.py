@@ -65,7 +65,7 @@ def test_split_of_agrees_across_processes():
 
 def test_stdlib_splits_are_disjoint_and_cover_everything(stdlib_docs):
     keys = [d.key for d in stdlib_docs]
-    assert len(keys) == len(set(keys)) > 1000
+    assert len(keys) == len(set(keys)) > 500  # ~1,800 files in a full CPython 3.11 stdlib, 574 on the GPU image's Ubuntu 3.12
     assert keys == sorted(keys)
     by_split = {s: {d.key for d in load_documents(STDLIB, s)} for s in SPLITS}
     assert set().union(*by_split.values()) == set(keys)

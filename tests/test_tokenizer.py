@@ -93,7 +93,9 @@ def test_round_trip_random_unicode(tok):
 
 
 def test_round_trip_code_and_compression(tok, train_texts):
-    held = load_documents([{"kind": "stdlib"}], "heldout", max_documents=5)
+    # Code files: `encodings/` holds generated codec tables (one unicode literal per line), which
+    # dominate the held-out split of the slimmer stdlib on the GPU image (574 files, not ~1,800).
+    held = [d for d in load_documents([{"kind": "stdlib"}], "heldout") if not d.key.startswith("stdlib:encodings/")][:5]
     for text in [*train_texts[:3], *(d.text for d in held)]:
         assert _round_trips(tok, text)
     text = "\n".join(d.text for d in held)
