@@ -328,6 +328,13 @@ def _looks_like_path(s: str) -> bool:
     return "/" in s and not _HUB_ID.match(s)
 
 
+def check_target_source(name_or_path: str) -> None:
+    """Raise the one-line DFlash2Error that loading would raise for a missing or damaged local
+    folder (no weights, a truncated safetensors header), without loading anything: callers
+    check before they copy or write anything for the target."""
+    _resolve_source(str(name_or_path))
+
+
 def _resolve_source(name_or_path: str) -> tuple[str, bool]:
     """Return (what to hand to HF, is_local); check a local folder before HF sees it."""
     path = os.path.expanduser(name_or_path)

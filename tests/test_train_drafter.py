@@ -123,6 +123,29 @@ def test_bad_input_is_a_clear_error_and_writes_no_drafter(tmp_path, micro_train_
     assert not (tmp_path / "run" / "drafter").exists()
 
 
+@pytest.mark.parametrize("damage,needle", [
+    ("missing", "does not exist"),
+    ("no_weights", "has no weights"),
+    ("truncated", "corrupted or truncated"),
+])
+def test_a_missing_or_damaged_target_is_a_one_line_error_and_writes_nothing(tmp_path, micro_train_overrides, micro_target_dir, damage, needle):
+    import shutil
+
+    target = tmp_path / "target"
+    if damage != "missing":
+        shutil.copytree(micro_target_dir, target)
+        weights = target / "model.safetensors"
+        if damage == "no_weights":
+            weights.unlink()
+        else:
+            weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(DFlash2Error, match=needle) as err:
+        run_from_config(compose_run(tmp_path, [*micro_train_overrides, f"target.path={target}"]))
+    assert "\n" not in str(err.value)
+    run = tmp_path / "run"
+    assert not any((run / name).exists() for name in ("drafter", "checkpoints", "target", "train_summary.json", "run_summary.json"))
+
+
 def test_data_without_any_anchor_is_empty_after_filtering(tmp_path, micro_train_overrides, monkeypatch):
     """A target that ends every response at once (EOS first) leaves no block to train on."""
     import dflash2.data.regenerate as regenerate_mod

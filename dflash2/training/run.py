@@ -17,6 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from dflash2.errors import DFlash2Error
+from dflash2.target import check_target_source
 from dflash2.training.build_target import BUILD_INFO, ensure_target, format_target_report, publish_target
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ def run_from_config(cfg: DictConfig) -> dict:
         raise DFlash2Error(f"task={cfg.task!r}: use task=drafter (default) or task=target")
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
     source = ensure_target(cfg)
+    check_target_source(str(source))  # a damaged folder fails here, before it is copied into the run
     target_dir = publish_target(source, output_dir)
     print(f"[dflash2] target: {target_dir}", flush=True)
     summary: dict = {"output_dir": str(output_dir), "target": str(target_dir)}
