@@ -146,6 +146,17 @@ def test_a_missing_or_damaged_target_is_a_one_line_error_and_writes_nothing(tmp_
     assert not any((run / name).exists() for name in ("drafter", "checkpoints", "target", "train_summary.json", "run_summary.json"))
 
 
+def test_a_malformed_dataset_line_names_file_and_line_and_writes_nothing(tmp_path, micro_train_overrides):
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "def f():\\n    return 1"}\n{"text": "x = 2"}\n{"text": "unterminated\n')
+    source = f"data.sources=[{{kind:hf,path:{broken}}}]"
+    with pytest.raises(DFlash2Error, match=r"broken.jsonl.*line 3") as err:
+        run_from_config(compose_run(tmp_path, [*micro_train_overrides, source, f"paths.cache_dir={tmp_path / 'own_cache'}"]))
+    assert "\n" not in str(err.value)
+    assert not any((tmp_path / "run" / name).exists() for name in ("drafter", "checkpoints", "train_summary.json"))
+    assert not list((tmp_path / "own_cache").glob("data/*"))  # no dataset (or partial one) cached
+
+
 def test_data_without_any_anchor_is_empty_after_filtering(tmp_path, micro_train_overrides, monkeypatch):
     """A target that ends every response at once (EOS first) leaves no block to train on."""
     import dflash2.data.regenerate as regenerate_mod
