@@ -99,3 +99,16 @@ def test_wandb_logger_without_the_package_is_a_one_line_error(monkeypatch, tmp_p
     with pytest.raises(DFlash2Error, match=r"^logger=wandb needs the wandb package: pip install wandb, or pick logger=csv") as err:
         instantiate_loggers(cfg)
     assert "\n" not in str(err.value)
+
+
+def test_hydra_record_lands_in_the_run_folder(tmp_path):
+    """`paths.output_dir=DIR` puts Hydra's .hydra/ beside the run's artifacts, not in a second dated folder."""
+    import subprocess
+
+    from conftest import REPO, subprocess_env
+
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), f"paths.output_dir={run}", "task=no_such_task"],
+                         cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True)
+    assert out.returncode == 2 and "task='no_such_task'" in out.stderr
+    assert (run / ".hydra" / "config.yaml").is_file() and not (tmp_path / "outputs").exists()
