@@ -17,19 +17,20 @@ under a shard name is always complete. The prompts are stored because the
 cache key leaves out `data.generation_batch_size`, which changes how prompts
 are batched: a shard whose prompts differ from the current batch is stale.
 
-Lightning's `atomic_torch_save` is not reused: the data package must not
-import Lightning (seconds of import time, see `dflash2/training/__init__.py`).
+The atomic write is `dflash2.atomic_files.atomic_torch_save`, shared with the
+training checkpoints.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from dflash2.atomic_files import atomic_torch_save
 
 SHARD_NAME = re.compile(r"batch-(\d{6})\.pt")
 
@@ -56,22 +57,15 @@ class ShardStore:
     def save(self, shard: Shard) -> None:
         """Write `shard` atomically (temp file + fsync + rename)."""
         path = self.path(shard.index)
-        # mkdir on every save: a concurrent run of the same split (one per DDP rank) that finished
-        # first removes the folder; its final dataset then exists and our later shards are moot.
-        self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = self.folder / f".{path.name}.tmp-{os.getpid()}"
+        # atomic_torch_save creates the folder on every save: a concurrent run of the same split (one per
+        # DDP rank) that finished first removes it; its final dataset then exists and our later shards are moot.
         payload = {"index": shard.index, "prompt": shard.prompt, "response": shard.response, "generator_state": shard.generator_state}
         try:
-            with open(tmp, "wb") as f:
-                torch.save(payload, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            atomic_torch_save(payload, path)
         except FileNotFoundError:
             # The folder or our temp file was removed by a concurrent run (see above / `load`):
             # only the crash-resume copy of this batch is lost, never the batch itself.
             return
-        _fsync_dir(self.folder)
 
     def load(self, prompts: list[torch.Tensor], response_tokens: int) -> list[Shard]:
         """The valid shards 0..k-1 for these prompt batches (each (n, P) int64), in order.
@@ -126,17 +120,3 @@ def _unlink(path: Path) -> None:
         path.unlink()
     except FileNotFoundError:
         pass
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Persist the rename itself (best effort: not every OS lets one open a directory)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
