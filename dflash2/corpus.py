@@ -36,8 +36,14 @@ KINDS = ("stdlib", "dir", "hf")
 _SOURCE_DEFAULTS = {
     "stdlib": {},
     "dir": {"path": None, "glob": "**/*.py", "name": None},
-    "hf": {"path": None, "text_field": "text", "hf_split": "train", "format": None,
-           "name": None, "sample_by": "document"},
+    "hf": {
+        "path": None,
+        "text_field": "text",
+        "hf_split": "train",
+        "format": None,
+        "name": None,
+        "sample_by": "document",
+    },
 }
 # Vendored third-party code and bytecode caches are not "the standard library".
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
@@ -105,9 +111,15 @@ def decode_source(data: bytes) -> str:
         return data.decode("utf-8", errors="replace")
 
 
-def iter_documents(sources, split: str | None = None, *, validation_fraction: float = 0.02,
-                   heldout_fraction: float = 0.02, max_file_bytes: int = 1_000_000,
-                   max_documents: int | None = None) -> Iterator[Document]:
+def iter_documents(
+    sources,
+    split: str | None = None,
+    *,
+    validation_fraction: float = 0.02,
+    heldout_fraction: float = 0.02,
+    max_file_bytes: int = 1_000_000,
+    max_documents: int | None = None,
+) -> Iterator[Document]:
     """Yield the documents of ``sources`` that fall in ``split`` (None: all splits).
 
     ``sources`` is a list of mappings (plain dicts or OmegaConf configs), each
@@ -134,19 +146,36 @@ def iter_documents(sources, split: str | None = None, *, validation_fraction: fl
                 return
 
 
-def load_documents(sources, split: str | None = None, *, validation_fraction: float = 0.02,
-                   heldout_fraction: float = 0.02, max_file_bytes: int = 1_000_000,
-                   max_documents: int | None = None) -> list[Document]:
+def load_documents(
+    sources,
+    split: str | None = None,
+    *,
+    validation_fraction: float = 0.02,
+    heldout_fraction: float = 0.02,
+    max_file_bytes: int = 1_000_000,
+    max_documents: int | None = None,
+) -> list[Document]:
     """All of :func:`iter_documents` as a list sorted by key (same arguments)."""
-    docs = iter_documents(sources, split, validation_fraction=validation_fraction,
-                          heldout_fraction=heldout_fraction, max_file_bytes=max_file_bytes,
-                          max_documents=max_documents)
+    docs = iter_documents(
+        sources,
+        split,
+        validation_fraction=validation_fraction,
+        heldout_fraction=heldout_fraction,
+        max_file_bytes=max_file_bytes,
+        max_documents=max_documents,
+    )
     return sorted(docs, key=lambda d: d.key)
 
 
-def corpus_fingerprint(sources, split: str | None = None, *, validation_fraction: float = 0.02,
-                       heldout_fraction: float = 0.02, max_file_bytes: int = 1_000_000,
-                       max_documents: int | None = None) -> str:
+def corpus_fingerprint(
+    sources,
+    split: str | None = None,
+    *,
+    validation_fraction: float = 0.02,
+    heldout_fraction: float = 0.02,
+    max_file_bytes: int = 1_000_000,
+    max_documents: int | None = None,
+) -> str:
     """A short hex id of the corpus that ``iter_documents`` would read, for cache keys.
 
     Hashes the settings, each source and, for file sources, every file's key
@@ -157,9 +186,14 @@ def corpus_fingerprint(sources, split: str | None = None, *, validation_fraction
     """
     _check_split_args(split, validation_fraction, heldout_fraction)
     h = hashlib.sha256()
-    settings = {"version": _FINGERPRINT_VERSION, "split": split,
-                "validation_fraction": validation_fraction, "heldout_fraction": heldout_fraction,
-                "max_file_bytes": max_file_bytes, "max_documents": max_documents}
+    settings = {
+        "version": _FINGERPRINT_VERSION,
+        "split": split,
+        "validation_fraction": validation_fraction,
+        "heldout_fraction": heldout_fraction,
+        "max_file_bytes": max_file_bytes,
+        "max_documents": max_documents,
+    }
     h.update(json.dumps(settings, sort_keys=True).encode())
     for spec in _normalize_sources(sources):
         h.update(json.dumps(spec, sort_keys=True, default=str).encode())
@@ -176,8 +210,9 @@ def _fingerprint_files(spec: dict) -> list[tuple[str, Path]]:
         return _list_files(spec)
     if not isinstance(spec["path"], Path):
         return []
-    return [(p.relative_to(spec["path"]).as_posix() if p != spec["path"] else p.name, p)
-            for p in _hf_local_files(spec)[1]]
+    return [
+        (p.relative_to(spec["path"]).as_posix() if p != spec["path"] else p.name, p) for p in _hf_local_files(spec)[1]
+    ]
 
 
 # ----------------------------------------------------------------------------
@@ -187,11 +222,11 @@ def _fingerprint_files(spec: dict) -> list[tuple[str, Path]]:
 def _check_split_args(split, validation_fraction, heldout_fraction) -> None:
     if split is not None and split not in SPLITS:
         raise DFlash2Error(f"unknown split {split!r}; use one of {', '.join(SPLITS)} (or None for all)")
-    if not (0 <= validation_fraction and 0 <= heldout_fraction
-            and validation_fraction + heldout_fraction < 1):
+    if not (validation_fraction >= 0 and heldout_fraction >= 0 and validation_fraction + heldout_fraction < 1):
         raise DFlash2Error(
             f"split fractions validation={validation_fraction}, heldout={heldout_fraction} "
-            "must be >= 0 and sum to less than 1; fix data.validation_fraction / data.heldout_fraction")
+            "must be >= 0 and sum to less than 1; fix data.validation_fraction / data.heldout_fraction"
+        )
 
 
 def _normalize_sources(sources) -> list[dict]:
@@ -199,8 +234,7 @@ def _normalize_sources(sources) -> list[dict]:
     if isinstance(sources, Mapping):
         sources = [sources]
     if sources is None or isinstance(sources, (str, bytes)) or len(sources) == 0:
-        raise DFlash2Error("data.sources must be a non-empty list such as [{kind: stdlib}], "
-                           f"got {sources!r}")
+        raise DFlash2Error(f"data.sources must be a non-empty list such as [{{kind: stdlib}}], got {sources!r}")
     specs, names = [], set()
     for i, raw in enumerate(sources):
         if not isinstance(raw, Mapping):
@@ -208,13 +242,13 @@ def _normalize_sources(sources) -> list[dict]:
         raw = {str(k): v for k, v in raw.items()}
         kind = raw.get("kind")
         if kind not in KINDS:
-            raise DFlash2Error(f"data.sources[{i}] has unknown kind {kind!r}; "
-                               f"valid kinds: {', '.join(KINDS)}")
+            raise DFlash2Error(f"data.sources[{i}] has unknown kind {kind!r}; valid kinds: {', '.join(KINDS)}")
         allowed = _SOURCE_DEFAULTS[kind]
         unknown = sorted(set(raw) - set(allowed) - {"kind"})
         if unknown:
-            raise DFlash2Error(f"data.sources[{i}] (kind {kind}) has unknown keys {unknown}; "
-                               f"allowed: {['kind', *allowed]}")
+            raise DFlash2Error(
+                f"data.sources[{i}] (kind {kind}) has unknown keys {unknown}; allowed: {['kind', *allowed]}"
+            )
         spec = {"kind": kind, **allowed, **{k: v for k, v in raw.items() if v is not None}}
         if kind == "dir":
             spec = _resolve_dir(spec, i)
@@ -222,8 +256,10 @@ def _normalize_sources(sources) -> list[dict]:
             spec = _resolve_hf(spec, i)
         name = (kind, spec.get("name"))
         if name in names:
-            raise DFlash2Error(f"data.sources[{i}]: two {kind} sources are named {name[1]!r}; "
-                               "give one a distinct 'name' so their document keys differ")
+            raise DFlash2Error(
+                f"data.sources[{i}]: two {kind} sources are named {name[1]!r}; "
+                "give one a distinct 'name' so their document keys differ"
+            )
         names.add(name)
         specs.append(spec)
     return specs
@@ -274,8 +310,9 @@ def _list_files(spec: dict) -> list[tuple[str, Path]]:
         root, prefix = spec["path"], f"dir:{spec['name']}:"
         found = [p for p in root.glob(spec["glob"]) if p.is_file() and not _hidden_or_excluded(p, root)]
         if not found:
-            raise DFlash2Error(f"corpus directory '{root}' has no files matching {spec['glob']!r}; "
-                               "fix data.sources glob or path")
+            raise DFlash2Error(
+                f"corpus directory '{root}' has no files matching {spec['glob']!r}; fix data.sources glob or path"
+            )
     return sorted((prefix + p.relative_to(root).as_posix(), p) for p in found)
 
 
@@ -288,8 +325,7 @@ def _hidden_or_excluded(path: Path, root: Path) -> bool:
 def _file_documents(spec: dict, wanted: Callable[[str], bool], max_file_bytes: int) -> Iterator[Document]:
     files = _list_files(spec)
     label = spec.get("name") or spec["kind"]
-    for key, path in tqdm(files, desc=f"reading {label}", unit="file",
-                          disable=len(files) <= _PROGRESS_MIN_ITEMS):
+    for key, path in tqdm(files, desc=f"reading {label}", unit="file", disable=len(files) <= _PROGRESS_MIN_ITEMS):
         if not wanted(key):  # the key alone decides the split: skip before reading
             continue
         size = path.stat().st_size
@@ -308,16 +344,23 @@ def _hf_local_files(spec: dict) -> tuple[str, list[Path]]:
     if path.is_file():
         fmt = fmt or _HF_SUFFIXES.get(path.suffix)
         if fmt is None:
-            raise DFlash2Error(f"cannot tell the format of '{path}' from its suffix; "
-                               "set format: json | parquet | text in data.sources")
+            raise DFlash2Error(
+                f"cannot tell the format of '{path}' from its suffix; set format: json | parquet | text in data.sources"
+            )
         return fmt, [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _HF_SUFFIXES
-                   and not _hidden_or_excluded(p, path)
-                   and (fmt is None or _HF_SUFFIXES[p.suffix] == fmt))
+    files = sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file()
+        and p.suffix in _HF_SUFFIXES
+        and not _hidden_or_excluded(p, path)
+        and (fmt is None or _HF_SUFFIXES[p.suffix] == fmt)
+    )
     formats = sorted({_HF_SUFFIXES[p.suffix] for p in files})
     if not files:
-        raise DFlash2Error(f"dataset folder '{path}' has no {fmt or 'json/jsonl/parquet/txt'} files; "
-                           "fix data.sources path or format")
+        raise DFlash2Error(
+            f"dataset folder '{path}' has no {fmt or 'json/jsonl/parquet/txt'} files; fix data.sources path or format"
+        )
     if len(formats) > 1:
         raise DFlash2Error(f"dataset folder '{path}' mixes formats {formats}; set format in data.sources")
     return formats[0], files
@@ -332,14 +375,15 @@ def _validate_jsonl(path: Path) -> None:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:  # e.lineno is always 1 here: we parse one line
-                raise DFlash2Error(f"malformed JSON in '{path}' at line {lineno}, column {e.colno} "
-                                   f"({e.msg}); fix or remove that line") from None
+                raise DFlash2Error(
+                    f"malformed JSON in '{path}' at line {lineno}, column {e.colno} ({e.msg}); fix or remove that line"
+                ) from None
             except UnicodeDecodeError:
-                raise DFlash2Error(f"'{path}' line {lineno} is not valid UTF-8; "
-                                   "re-save the file as UTF-8") from None
+                raise DFlash2Error(f"'{path}' line {lineno} is not valid UTF-8; re-save the file as UTF-8") from None
             if not isinstance(row, dict):
-                raise DFlash2Error(f"'{path}' line {lineno} is not a JSON object; "
-                                   'each line must look like {"text": ...}')
+                raise DFlash2Error(
+                    f"'{path}' line {lineno} is not a JSON object; each line must look like {{\"text\": ...}}"
+                )
 
 
 def _load_hf(spec: dict):
@@ -355,16 +399,19 @@ def _load_hf(spec: dict):
         try:  # local files form one split, named "train" by datasets
             return datasets.load_dataset(fmt, data_files=[str(p) for p in files], split="train", **extra)
         except Exception as e:
-            raise DFlash2Error(f"could not read '{spec['path']}' as {fmt}: "
-                               f"{type(e).__name__}: {_first_line(e)}; "
-                               "fix the file or set format in data.sources") from None
+            raise DFlash2Error(
+                f"could not read '{spec['path']}' as {fmt}: "
+                f"{type(e).__name__}: {_first_line(e)}; "
+                "fix the file or set format in data.sources"
+            ) from None
     try:
         return datasets.load_dataset(spec["path"], split=spec["hf_split"])
     except Exception as e:
         raise DFlash2Error(
             f"could not load dataset {spec['path']!r} (split {spec['hf_split']!r}) from the hub: "
             f"{type(e).__name__}: {_first_line(e)}; the hub is unreachable here or the id is wrong - "
-            "pass a local .jsonl/.json/.parquet/.txt file or folder as data.sources path") from None
+            "pass a local .jsonl/.json/.parquet/.txt file or folder as data.sources path"
+        ) from None
 
 
 def _first_line(e: Exception) -> str:
@@ -376,20 +423,25 @@ def _hf_documents(spec: dict, wanted: Callable[[str], bool], max_file_bytes: int
     rows = _load_hf(spec)
     field = spec["text_field"]
     if field not in rows.column_names:
-        raise DFlash2Error(f"dataset '{spec['path']}' has no column {field!r}; set text_field to one of "
-                           f"{rows.column_names} in data.sources")
+        raise DFlash2Error(
+            f"dataset '{spec['path']}' has no column {field!r}; set text_field to one of "
+            f"{rows.column_names} in data.sources"
+        )
     rows = rows.select_columns([field])
     seen = set()  # identical rows share a key; keep one so keys stay unique
-    with tqdm(total=len(rows), desc=f"reading {spec['name']}", unit="row",
-              disable=len(rows) <= _PROGRESS_MIN_ITEMS) as bar:
+    with tqdm(
+        total=len(rows), desc=f"reading {spec['name']}", unit="row", disable=len(rows) <= _PROGRESS_MIN_ITEMS
+    ) as bar:
         for batch in rows.iter(batch_size=1000):
             bar.update(len(batch[field]))
             for text in batch[field]:
                 if text is None:
                     continue
                 if not isinstance(text, str):
-                    raise DFlash2Error(f"dataset '{spec['path']}' column {field!r} holds "
-                                       f"{type(text).__name__}, not text; set text_field to a string column")
+                    raise DFlash2Error(
+                        f"dataset '{spec['path']}' column {field!r} holds "
+                        f"{type(text).__name__}, not text; set text_field to a string column"
+                    )
                 data = text.encode("utf-8")
                 # The key hashes the content, not the row index, so a row keeps
                 # its split when rows are added, removed or reordered.

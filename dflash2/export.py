@@ -45,10 +45,19 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.f
 EXPORT_INFO_KEY = "dflash2_export"  # namespaced: no serving loader reads it (see export_info)
 USAGE = __doc__.split("\n\n")[1] if __doc__ else ""
 
-_LAYER_V1 = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-             "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-             "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-             "input_layernorm.weight", "post_attention_layernorm.weight")
+_LAYER_V1 = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+)
 
 
 # ------------------------------------------------------------------ the source
@@ -84,8 +93,10 @@ def read_source(source) -> DrafterSource:
         src = _read_folder(path / "drafter")
         src.run_dir = path
         return src
-    raise DFlash2Error(f"{path} has no checkpoints/last.ckpt, drafter/ or config.json + model.safetensors; "
-                       "pass a training .ckpt, a run folder or an exported drafter folder")
+    raise DFlash2Error(
+        f"{path} has no checkpoints/last.ckpt, drafter/ or config.json + model.safetensors; "
+        "pass a training .ckpt, a run folder or an exported drafter folder"
+    )
 
 
 def _read_ckpt(path: Path) -> DrafterSource:
@@ -95,16 +106,25 @@ def _read_ckpt(path: Path) -> DrafterSource:
         raise DFlash2Error(f"could not read checkpoint {path} ({type(e).__name__}: {e}); pass an intact .ckpt") from e
     meta = ckpt.get("dflash2") if isinstance(ckpt, dict) else None
     if not isinstance(meta, dict) or "drafter_config" not in meta or "state_dict" not in ckpt:
-        raise DFlash2Error(f"{path} is not a dflash2 drafter training checkpoint (no state_dict / dflash2.drafter_config); "
-                           "pass a checkpoint written by train.py")
+        raise DFlash2Error(
+            f"{path} is not a dflash2 drafter training checkpoint (no state_dict / dflash2.drafter_config); "
+            "pass a checkpoint written by train.py"
+        )
     config = DrafterConfig.from_dict(dict(meta["drafter_config"]))
     tensors = {k.removeprefix("drafter."): v for k, v in ckpt["state_dict"].items() if k.startswith("drafter.")}
     if not tensors:
         raise DFlash2Error(f"{path} has no 'drafter.*' weights in its state_dict; pass a drafter training checkpoint")
     run_dir = path.parent.parent if path.parent.name == "checkpoints" else None
     step = ckpt.get("global_step")
-    return DrafterSource(config, tensors, path, "checkpoint", run_dir=run_dir,
-                         global_step=int(step) if step is not None else None, target_id=meta.get("target_id"))
+    return DrafterSource(
+        config,
+        tensors,
+        path,
+        "checkpoint",
+        run_dir=run_dir,
+        global_step=int(step) if step is not None else None,
+        target_id=meta.get("target_id"),
+    )
 
 
 def _read_folder(path: Path) -> DrafterSource:
@@ -123,8 +143,16 @@ def _read_folder(path: Path) -> DrafterSource:
     if zlab_ids is not None:
         recorded["config.json dflash_config.target_layer_ids"] = [int(i) for i in zlab_ids]
     info = cfg.get(EXPORT_INFO_KEY) or {}
-    return DrafterSource(config, tensors, path, "folder", target_id=info.get("target") or config.target_name_or_path,
-                         global_step=info.get("steps"), recorded_layer_ids=recorded, raw_config=cfg)
+    return DrafterSource(
+        config,
+        tensors,
+        path,
+        "folder",
+        target_id=info.get("target") or config.target_name_or_path,
+        global_step=info.get("steps"),
+        recorded_layer_ids=recorded,
+        raw_config=cfg,
+    )
 
 
 # ------------------------------------------------------------------ the target
@@ -146,15 +174,22 @@ def read_target_info(name_or_path: str) -> TargetInfo:
     try:
         cfg = AutoConfig.from_pretrained(str(name_or_path))
     except Exception as e:
-        raise DFlash2Error(f"could not read the target config from {name_or_path} ({type(e).__name__}); "
-                           "pass target=<local HF folder> of the model the drafter was trained for") from e
+        raise DFlash2Error(
+            f"could not read the target config from {name_or_path} ({type(e).__name__}); "
+            "pass target=<local HF folder> of the model the drafter was trained for"
+        ) from e
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
     theta = params.get("rope_theta") if isinstance(params, dict) else None
     theta = theta if theta is not None else getattr(text, "rope_theta", None)
-    return TargetInfo(str(name_or_path), int(text.num_hidden_layers), int(text.hidden_size),
-                      int(text.vocab_size), float(theta) if theta is not None else None,
-                      _local_tokenizer_fingerprint(name_or_path))
+    return TargetInfo(
+        str(name_or_path),
+        int(text.num_hidden_layers),
+        int(text.hidden_size),
+        int(text.vocab_size),
+        float(theta) if theta is not None else None,
+        _local_tokenizer_fingerprint(name_or_path),
+    )
 
 
 def _local_tokenizer_fingerprint(name_or_path: str) -> str | None:
@@ -169,8 +204,9 @@ def _local_tokenizer_fingerprint(name_or_path: str) -> str | None:
     try:
         return tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(folder)))
     except Exception as e:
-        raise DFlash2Error(f"could not load the tokenizer of target {folder} ({type(e).__name__}); "
-                           "fix or remove its tokenizer files") from e
+        raise DFlash2Error(
+            f"could not load the tokenizer of target {folder} ({type(e).__name__}); fix or remove its tokenizer files"
+        ) from e
 
 
 def _resolve_target(target, config: DrafterConfig, source: DrafterSource) -> TargetInfo | None:
@@ -188,9 +224,13 @@ def expected_tensor_shapes(config: DrafterConfig, fmt: str) -> dict[str, tuple[i
     """Tensor name -> shape of the §7 layout (``dflash``) or §7 + §3 (``dflash2``), from the spec."""
     d, hd, f = config.hidden_size, config.head_dim, config.intermediate_size
     qd, kvd = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    layer = dict(zip(_LAYER_V1, [(qd, d), (kvd, d), (kvd, d), (d, qd), (hd,), (hd,), (f, d), (f, d), (d, f), (d,), (d,)]))
+    layer = dict(
+        zip(_LAYER_V1, [(qd, d), (kvd, d), (kvd, d), (d, qd), (hd,), (hd,), (f, d), (f, d), (d, f), (d,), (d,)])
+    )
     out = {f"layers.{n}.{k}": s for n in range(config.num_hidden_layers) for k, s in layer.items()}
-    out.update({"fc.weight": (d, config.num_taps * config.target_hidden_size), "hidden_norm.weight": (d,), "norm.weight": (d,)})
+    out.update(
+        {"fc.weight": (d, config.num_taps * config.target_hidden_size), "hidden_norm.weight": (d,), "norm.weight": (d,)}
+    )
     if fmt == "dflash2":
         taps, groups = config.conv_kernel_size, config.conv_groups
         if config.use_local_conv:
@@ -218,11 +258,15 @@ def resolve_format(fmt: str, config: DrafterConfig, tensors: dict) -> str:
     if fmt == "auto":
         return "dflash2" if has_v2 else "dflash"
     if fmt == "dflash" and has_v2:
-        raise DFlash2Error("format=dflash but the drafter has DFlash2 conv/selector weights that DFlashDraftModel would "
-                           "drop; use format=dflash2 (or format=auto)")
+        raise DFlash2Error(
+            "format=dflash but the drafter has DFlash2 conv/selector weights that DFlashDraftModel would "
+            "drop; use format=dflash2 (or format=auto)"
+        )
     if fmt == "dflash2" and not has_v2:
-        raise DFlash2Error("format=dflash2 but the drafter has no conv or selector weights (a DFlash v1 drafter); "
-                           "use format=dflash (or format=auto)")
+        raise DFlash2Error(
+            "format=dflash2 but the drafter has no conv or selector weights (a DFlash v1 drafter); "
+            "use format=dflash (or format=auto)"
+        )
     return fmt
 
 
@@ -232,15 +276,19 @@ def check_tensor_keys(tensors: dict, config: DrafterConfig, fmt: str) -> None:
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     if missing or unexpected:
-        raise DFlash2Error(f"drafter weights do not match the {ARCHITECTURE[fmt]} layout: missing {missing[:4]}"
-                           f"{' ...' if len(missing) > 4 else ''}, unexpected {unexpected[:4]}"
-                           f"{' ...' if len(unexpected) > 4 else ''}; export from an unmodified dflash2 checkpoint "
-                           "or fix the tensor names")
+        raise DFlash2Error(
+            f"drafter weights do not match the {ARCHITECTURE[fmt]} layout: missing {missing[:4]}"
+            f"{' ...' if len(missing) > 4 else ''}, unexpected {unexpected[:4]}"
+            f"{' ...' if len(unexpected) > 4 else ''}; export from an unmodified dflash2 checkpoint "
+            "or fix the tensor names"
+        )
     bad = [(k, tuple(tensors[k].shape), s) for k, s in expected.items() if tuple(tensors[k].shape) != s]
     if bad:
         k, got, want = bad[0]
-        raise DFlash2Error(f"drafter tensor '{k}' has shape {got} but the {ARCHITECTURE[fmt]} layout needs {want} "
-                           f"({len(bad)} tensor(s) differ); the weights do not match their config")
+        raise DFlash2Error(
+            f"drafter tensor '{k}' has shape {got} but the {ARCHITECTURE[fmt]} layout needs {want} "
+            f"({len(bad)} tensor(s) differ); the weights do not match their config"
+        )
 
 
 def check_layer_ids(config: DrafterConfig, target: TargetInfo | None, recorded: dict | None = None) -> None:
@@ -253,8 +301,10 @@ def check_layer_ids(config: DrafterConfig, target: TargetInfo | None, recorded: 
     for where, other in (recorded or {}).items():
         if list(other) != ids:
             hint = " (shifted by +1: those are vLLM aux-layer ids)" if [i + 1 for i in ids] == list(other) else ""
-            raise DFlash2Error(f"{where}={list(other)} disagrees with the drafter's trained target_layer_ids={ids}"
-                               f"{hint}; keep DFlash ids (the trained ones) in dflash_config.target_layer_ids")
+            raise DFlash2Error(
+                f"{where}={list(other)} disagrees with the drafter's trained target_layer_ids={ids}"
+                f"{hint}; keep DFlash ids (the trained ones) in dflash_config.target_layer_ids"
+            )
     limits = []
     if config.num_target_layers is not None:
         limits.append((config.num_target_layers, "recorded num_target_layers"))
@@ -263,20 +313,26 @@ def check_layer_ids(config: DrafterConfig, target: TargetInfo | None, recorded: 
     for n, src in limits:
         outside = [i for i in ids if not 0 <= i < n]
         if outside:
-            raise DFlash2Error(f"target_layer_ids={ids} has {outside} outside 0..{n - 1} ({src} has {n} layers); "
-                               "DFlash ids are 0-based decoder-layer ids (vLLM's aux ids are these + 1), "
-                               "use the ids the drafter was trained with")
+            raise DFlash2Error(
+                f"target_layer_ids={ids} has {outside} outside 0..{n - 1} ({src} has {n} layers); "
+                "DFlash ids are 0-based decoder-layer ids (vLLM's aux ids are these + 1), "
+                "use the ids the drafter was trained with"
+            )
     if target and config.num_target_layers is not None and config.num_target_layers != target.num_layers:
-        raise DFlash2Error(f"drafter was trained on a {config.num_target_layers}-layer target but {target.name_or_path} "
-                           f"has {target.num_layers} layers; pass the target the drafter was trained for")
+        raise DFlash2Error(
+            f"drafter was trained on a {config.num_target_layers}-layer target but {target.name_or_path} "
+            f"has {target.num_layers} layers; pass the target the drafter was trained for"
+        )
 
 
 def check_mask_token(config: DrafterConfig, target: TargetInfo | None) -> None:
     vocab = target.vocab_size if target else config.vocab_size
     where = f"target {target.name_or_path}" if target else "the drafter's recorded vocab"
     if not 0 <= config.mask_token_id < vocab:
-        raise DFlash2Error(f"mask_token_id={config.mask_token_id} is outside the vocab [0, {vocab}) of {where}; "
-                           f"pick an unused id below {vocab} and retrain")
+        raise DFlash2Error(
+            f"mask_token_id={config.mask_token_id} is outside the vocab [0, {vocab}) of {where}; "
+            f"pick an unused id below {vocab} and retrain"
+        )
 
 
 def check_rope(config: DrafterConfig, target: TargetInfo | None, hf: dict | None = None) -> None:
@@ -293,26 +349,37 @@ def check_rope(config: DrafterConfig, target: TargetInfo | None, hf: dict | None
     cos, sin = torch.zeros(1, 1, 1, hd), torch.ones(1, 1, 1, hd)  # a 90° turn
     y = apply_rope(x, cos, sin)
     if not (abs(float(y[..., hd // 2]) - 1.0) < 1e-6 and abs(float(y[..., 1])) < 1e-6):
-        raise DFlash2Error("the drafter's RoPE is not neox-style (rotate-half), which serving engines assume; "
-                           "fix dflash2.drafter.model.apply_rope before exporting")
+        raise DFlash2Error(
+            "the drafter's RoPE is not neox-style (rotate-half), which serving engines assume; "
+            "fix dflash2.drafter.model.apply_rope before exporting"
+        )
     if hf is not None:
         params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         rtype = params.get("rope_type", params.get("type", "default"))
         neox = hf.get("is_neox_style", params.get("is_neox_style", True))
         partial = float(hf.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)))
         if rtype != "default" or neox is not True or partial != 1.0:
-            raise DFlash2Error(f"config.json declares rope_type={rtype!r}, is_neox_style={neox}, "
-                               f"partial_rotary_factor={partial}; the drafter uses default full neox-style RoPE, "
-                               "remove or fix those fields")
+            raise DFlash2Error(
+                f"config.json declares rope_type={rtype!r}, is_neox_style={neox}, "
+                f"partial_rotary_factor={partial}; the drafter uses default full neox-style RoPE, "
+                "remove or fix those fields"
+            )
         thetas = {float(t) for t in (hf.get("rope_theta"), params.get("rope_theta")) if t is not None}
         if thetas != {float(config.rope_theta)}:
-            raise DFlash2Error(f"config.json rope_theta {sorted(thetas)} differs from the trained rope_theta="
-                               f"{config.rope_theta}; write the trained value")
-    if target is not None and target.rope_theta is not None \
-            and not math.isclose(float(config.rope_theta), target.rope_theta, rel_tol=1e-9):
-        raise DFlash2Error(f"drafter rope_theta={config.rope_theta} but target {target.name_or_path} uses "
-                           f"{target.rope_theta}; τ collapses silently with a mismatched RoPE base, "
-                           "retrain the drafter with the target's rope_theta")
+            raise DFlash2Error(
+                f"config.json rope_theta {sorted(thetas)} differs from the trained rope_theta="
+                f"{config.rope_theta}; write the trained value"
+            )
+    if (
+        target is not None
+        and target.rope_theta is not None
+        and not math.isclose(float(config.rope_theta), target.rope_theta, rel_tol=1e-9)
+    ):
+        raise DFlash2Error(
+            f"drafter rope_theta={config.rope_theta} but target {target.name_or_path} uses "
+            f"{target.rope_theta}; τ collapses silently with a mismatched RoPE base, "
+            "retrain the drafter with the target's rope_theta"
+        )
 
 
 def check_target_sizes(config: DrafterConfig, target: TargetInfo | None) -> None:
@@ -330,8 +397,10 @@ def check_target_sizes(config: DrafterConfig, target: TargetInfo | None) -> None
     if recorded and target.tokenizer_fingerprint and recorded != target.tokenizer_fingerprint:
         problems.append(f"tokenizer fingerprint {recorded} vs {target.tokenizer_fingerprint}")
     if problems:
-        raise DFlash2Error(f"drafter does not fit target {target.name_or_path} ({'; '.join(problems)}); "
-                           "pass the target it was trained for or retrain")
+        raise DFlash2Error(
+            f"drafter does not fit target {target.name_or_path} ({'; '.join(problems)}); "
+            "pass the target it was trained for or retrain"
+        )
 
 
 # ------------------------------------------------------------------ export
@@ -346,7 +415,7 @@ def export_info(config: DrafterConfig, fmt: str, target: TargetInfo | None, sour
         "target": target.name_or_path if target else (config.target_name_or_path or source.target_id),
         "target_checked": target is not None,
         "layer_id_convention": "dflash_config.target_layer_ids are DFlash ids: 0-based decoder layers whose outputs "
-                               "are tapped (HF hidden_states[id + 1]); vLLM's aux hidden-state layer ids are id + 1",
+        "are tapped (HF hidden_states[id + 1]); vLLM's aux hidden-state layer ids are id + 1",
         "vllm_aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
         "source": str(source.path),
         "steps": source.global_step,
@@ -392,15 +461,17 @@ def model_card(config: DrafterConfig, fmt: str, info: dict, source: DrafterSourc
     B = config.block_size
     v2 = ""
     if fmt == "dflash2":
-        v2 = (f"- DFlash2 additions: local conv {'on' if config.use_local_conv else 'off'} (kernel "
-              f"{config.conv_kernel_size}, group {config.conv_group_size}), candidate selector "
-              f"{'on' if config.use_selector else 'off'} (rank {config.selector_rank}, top-k {config.selector_top_k})\n")
-    return f"""# {info['architecture']} drafter
+        v2 = (
+            f"- DFlash2 additions: local conv {'on' if config.use_local_conv else 'off'} (kernel "
+            f"{config.conv_kernel_size}, group {config.conv_group_size}), candidate selector "
+            f"{'on' if config.use_selector else 'off'} (rank {config.selector_rank}, top-k {config.selector_top_k})\n"
+        )
+    return f"""# {info["architecture"]} drafter
 
-Exported by `python -m dflash2.export` ({fmt} format, {info['dtype']} weights).
+Exported by `python -m dflash2.export` ({fmt} format, {info["dtype"]} weights).
 
-- Target: `{info['target']}` (checked against the target's config at export: {'yes' if info['target_checked'] else 'no, not available locally'})
-- Source: `{info['source']}`; training steps: {info['steps'] if info['steps'] is not None else 'not recorded'}
+- Target: `{info["target"]}` (checked against the target's config at export: {"yes" if info["target_checked"] else "no, not available locally"})
+- Source: `{info["source"]}`; training steps: {info["steps"] if info["steps"] is not None else "not recorded"}
 - Training data: {_data_summary(source)}
 - Measured τ (mean tokens per verify step incl. bonus, dflash2.eval.acceptance): {tau_line}
 - Block size {B}, {config.num_hidden_layers} layer(s), hidden {config.hidden_size}, mask_token_id {config.mask_token_id}, rope_theta {config.rope_theta} (neox-style)
@@ -409,7 +480,7 @@ Exported by `python -m dflash2.export` ({fmt} format, {info['dtype']} weights).
 
 `dflash_config.target_layer_ids` = {list(config.target_layer_ids)} are **DFlash ids**: 0-based decoder
 layers of the target whose *outputs* are tapped (HF `hidden_states[id + 1]`). vLLM's auxiliary
-hidden-state layer ids are these + 1 = {info['vllm_aux_hidden_state_layer_ids']}; vLLM adds the 1
+hidden-state layer ids are these + 1 = {info["vllm_aux_hidden_state_layer_ids"]}; vLLM adds the 1
 itself, so do not edit the ids. (`config.json` repeats the +1 ids under `{EXPORT_INFO_KEY}`, for
 humans only.)
 
@@ -426,7 +497,7 @@ drafter = load_drafter("{out_dir}")
 
 ```python
 from vllm import LLM
-llm = LLM(model="{info['target']}",
+llm = LLM(model="{info["target"]}",
           speculative_config={{"method": "dflash", "model": "{out_dir}", "num_speculative_tokens": {B - 1}}})
 ```
 """
@@ -461,13 +532,15 @@ def export_drafter(source, out_dir, *, fmt: str = "auto", dtype: torch.dtype = t
             config.num_target_layers = tgt.num_layers
     with torch.device("meta"):
         drafter = DFlashDrafter(config)
-    drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in src.tensors.items()},
-                            strict=True, assign=True)
+    drafter.load_state_dict(
+        {k: v.float() if v.is_floating_point() else v for k, v in src.tensors.items()}, strict=True, assign=True
+    )
     out_dir = Path(out_dir)
     info = export_info(config, fmt, tgt, src, dtype)
     card = model_card(config, fmt, info, src, out_dir.resolve())
-    return save_drafter(drafter, out_dir, dtype=dtype, extra_config={EXPORT_INFO_KEY: info},
-                        extra_files={"README.md": card})
+    return save_drafter(
+        drafter, out_dir, dtype=dtype, extra_config={EXPORT_INFO_KEY: info}, extra_files={"README.md": card}
+    )
 
 
 # ------------------------------------------------------------------ CLI
@@ -495,8 +568,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         a = parse_args(argv)
-        out = export_drafter(a["checkpoint"], a["out"], fmt=a.get("format", "auto"),
-                             dtype=DTYPES[a.get("dtype", "bfloat16")], target=a.get("target") or None)
+        out = export_drafter(
+            a["checkpoint"],
+            a["out"],
+            fmt=a.get("format", "auto"),
+            dtype=DTYPES[a.get("dtype", "bfloat16")],
+            target=a.get("target") or None,
+        )
     except DFlash2Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

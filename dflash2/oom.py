@@ -14,7 +14,13 @@ import torch
 from dflash2.errors import DFlash2Error
 
 # What to lower, by stage, as "config.key (now VALUE)" hints; the values are filled in from the run's config.
-TRAINING_KNOBS = ("data.batch_size", "drafter.num_anchors", "data.response_tokens", "data.prompt_max_tokens", "drafter.num_hidden_layers")
+TRAINING_KNOBS = (
+    "data.batch_size",
+    "drafter.num_anchors",
+    "data.response_tokens",
+    "data.prompt_max_tokens",
+    "drafter.num_hidden_layers",
+)
 REGENERATION_KNOBS = ("data.generation_batch_size", "data.response_tokens", "data.prompt_max_tokens")
 EVAL_KNOBS = ("max_new_tokens", "prompt_tokens", "max_context")
 

@@ -45,9 +45,14 @@ _LAYER_KINDS = {
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _DTYPES = {
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
 }
 
 
@@ -134,8 +139,15 @@ class TargetModel(nn.Module):
     still enter the drafter's autograd graph).
     """
 
-    def __init__(self, model: nn.Module, *, tokenizer=None, target_layer_ids=None, num_taps: int = 5,
-                 name_or_path: str | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        tokenizer=None,
+        target_layer_ids=None,
+        num_taps: int = 5,
+        name_or_path: str | None = None,
+    ):
         super().__init__()
         self.model = model
         model.eval()
@@ -162,8 +174,16 @@ class TargetModel(nn.Module):
 
     # ----------------------------------------------------------------- loading
     @classmethod
-    def from_pretrained(cls, name_or_path: str, *, target_layer_ids=None, num_taps: int = 5, dtype=None,
-                        device=None, trust_remote_code: bool = False) -> "TargetModel":
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        *,
+        target_layer_ids=None,
+        num_taps: int = 5,
+        dtype=None,
+        device=None,
+        trust_remote_code: bool = False,
+    ) -> TargetModel:
         """Load a frozen target from a local HF folder or a hub id.
 
         dtype: a ``torch.dtype``, 'bfloat16'/'float16'/'float32' (or bf16/fp16/fp32), or 'auto'/None
@@ -183,14 +203,17 @@ class TargetModel(nn.Module):
             raise _hub_error(source, e) from e
         except Exception as e:
             if _is_corrupt_weights_error(e):
-                raise DFlash2Error(f"weights of target {source} are corrupted or truncated ({_first_line(e)}); "
-                                   "re-save or re-download them") from e
+                raise DFlash2Error(
+                    f"weights of target {source} are corrupted or truncated ({_first_line(e)}); "
+                    "re-save or re-download them"
+                ) from e
             raise
         if device is not None:
             model.to(device)
         tokenizer = _load_tokenizer(source, is_local, trust_remote_code)
-        return cls(model, tokenizer=tokenizer, target_layer_ids=target_layer_ids, num_taps=num_taps,
-                   name_or_path=source)
+        return cls(
+            model, tokenizer=tokenizer, target_layer_ids=target_layer_ids, num_taps=num_taps, name_or_path=source
+        )
 
     # ------------------------------------------------------------ frozen parts
     @property
@@ -208,7 +231,7 @@ class TargetModel(nn.Module):
         """The decoder's final norm (``model.model.norm``), applied before ``lm_head``; None if absent."""
         return getattr(self.model.base_model, "norm", None)
 
-    def train(self, mode: bool = True) -> "TargetModel":
+    def train(self, mode: bool = True) -> TargetModel:
         """Keep the HF model in eval whatever is asked: Lightning calls ``.train()`` on the whole module tree."""
         self.training = mode
         self.model.eval()
@@ -216,9 +239,14 @@ class TargetModel(nn.Module):
 
     # ----------------------------------------------------------------- forward
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                past_key_values: Any = None, use_cache: bool = False,
-                position_ids: torch.Tensor | None = None) -> TargetOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool = False,
+        position_ids: torch.Tensor | None = None,
+    ) -> TargetOutput:
         """Run the target on input_ids (N, L) -> logits (N, L, V), taps (N, L, K*d), cache.
 
         Passing ``past_key_values`` implies ``use_cache`` (the cache is updated in place by HF).
@@ -266,10 +294,12 @@ class TargetModel(nn.Module):
         kinds = " + ".join(f"{n} {k}" for k, n in Counter(self.layer_types).items())
         dtype = next(self.model.parameters()).dtype
         k = len(self.target_layer_ids)
-        return (f"Target {self.name_or_path} ({type(self.model).__name__}, {dtype}): {_human(params)} params, "
-                f"{self.num_layers} layers ({kinds}), hidden {self.hidden_size}, vocab {self.vocab_size}; "
-                f"taps at layers {self.target_layer_ids} -> {k} x {self.hidden_size} = {k * self.hidden_size} "
-                f"features per token; frozen (eval, no grad).")
+        return (
+            f"Target {self.name_or_path} ({type(self.model).__name__}, {dtype}): {_human(params)} params, "
+            f"{self.num_layers} layers ({kinds}), hidden {self.hidden_size}, vocab {self.vocab_size}; "
+            f"taps at layers {self.target_layer_ids} -> {k} x {self.hidden_size} = {k * self.hidden_size} "
+            f"features per token; frozen (eval, no grad)."
+        )
 
 
 class _LayerCapture:
@@ -282,6 +312,7 @@ class _LayerCapture:
         def hook(module, args, output):
             # Decoder layers return a tensor (transformers 5.x) or a tuple whose first item is it (older code).
             self.captured[layer_id] = output[0] if isinstance(output, (tuple, list)) else output
+
         return hook
 
     def __enter__(self) -> dict[int, torch.Tensor]:
@@ -302,8 +333,10 @@ def _layer_kinds(raw: Any, num_layers: int) -> list[str]:
     kinds = []
     for i, name in enumerate(list(raw)[:num_layers]):
         if name not in _LAYER_KINDS:
-            raise DFlash2Error(f"target layer {i} has type {name!r}, which dflash2 does not support; "
-                               f"known types: {sorted(_LAYER_KINDS)}")
+            raise DFlash2Error(
+                f"target layer {i} has type {name!r}, which dflash2 does not support; "
+                f"known types: {sorted(_LAYER_KINDS)}"
+            )
         kinds.append(_LAYER_KINDS[name])
     return kinds
 
@@ -317,8 +350,10 @@ def _find_decoder_layers(model: nn.Module, num_layers: int, name: str) -> nn.Mod
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module) == num_layers:
             return module
-    raise DFlash2Error(f"cannot find the {num_layers} decoder layers of target {name} (looked for model.model.layers "
-                       "and any ModuleList of that length); this architecture is not supported")
+    raise DFlash2Error(
+        f"cannot find the {num_layers} decoder layers of target {name} (looked for model.model.layers "
+        "and any ModuleList of that length); this architecture is not supported"
+    )
 
 
 def _looks_like_path(s: str) -> bool:
@@ -342,11 +377,15 @@ def _resolve_source(name_or_path: str) -> tuple[str, bool]:
         _check_folder(path)
         return os.path.abspath(path), True
     if os.path.exists(path):
-        raise DFlash2Error(f"target path {name_or_path} is a file; point target.path at the HF model folder "
-                           "that holds config.json and the weights")
+        raise DFlash2Error(
+            f"target path {name_or_path} is a file; point target.path at the HF model folder "
+            "that holds config.json and the weights"
+        )
     if _looks_like_path(name_or_path):
-        raise DFlash2Error(f"target path {name_or_path} does not exist; point target.path at a saved HF model "
-                           "folder or give a hub id like Qwen/Qwen3-8B")
+        raise DFlash2Error(
+            f"target path {name_or_path} does not exist; point target.path at a saved HF model "
+            "folder or give a hub id like Qwen/Qwen3-8B"
+        )
     return name_or_path, False
 
 
@@ -355,27 +394,36 @@ def _check_folder(folder: str) -> None:
     from safetensors import safe_open
 
     if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise DFlash2Error(f"target folder {folder} has no config.json; point target.path at a folder written by "
-                           "save_pretrained")
-    files = [f for pattern in ("*.safetensors", "pytorch_model*.bin", "*.index.json")
-             for f in sorted(glob.glob(os.path.join(folder, pattern)))]
+        raise DFlash2Error(
+            f"target folder {folder} has no config.json; point target.path at a folder written by save_pretrained"
+        )
+    files = [
+        f
+        for pattern in ("*.safetensors", "pytorch_model*.bin", "*.index.json")
+        for f in sorted(glob.glob(os.path.join(folder, pattern)))
+    ]
     if not files:
-        raise DFlash2Error(f"target folder {folder} has no weights (*.safetensors / pytorch_model.bin); point "
-                           "target.path at a saved HF model folder (save_pretrained writes both config and weights)")
+        raise DFlash2Error(
+            f"target folder {folder} has no weights (*.safetensors / pytorch_model.bin); point "
+            "target.path at a saved HF model folder (save_pretrained writes both config and weights)"
+        )
     for index in (f for f in files if f.endswith(".index.json")):
         with open(index) as fh:
             shards = set(json.load(fh).get("weight_map", {}).values())
         missing = sorted(s for s in shards if not os.path.isfile(os.path.join(folder, s)))
         if missing:
-            raise DFlash2Error(f"target folder {folder} misses weight shards {missing} listed in "
-                               f"{os.path.basename(index)}; re-download or re-save the model")
+            raise DFlash2Error(
+                f"target folder {folder} misses weight shards {missing} listed in "
+                f"{os.path.basename(index)}; re-download or re-save the model"
+            )
     for f in (f for f in files if f.endswith(".safetensors")):
         try:
             with safe_open(f, framework="pt"):  # reads and checks the header only: cheap
                 pass
         except Exception as e:  # SafetensorError or OSError
-            raise DFlash2Error(f"target weights file {f} is corrupted or truncated ({_first_line(e)}); "
-                               "re-save or re-download it") from e
+            raise DFlash2Error(
+                f"target weights file {f} is corrupted or truncated ({_first_line(e)}); re-save or re-download it"
+            ) from e
 
 
 def _is_corrupt_weights_error(e: Exception) -> bool:
@@ -386,10 +434,14 @@ def _is_corrupt_weights_error(e: Exception) -> bool:
 def _hub_error(source: str, e: Exception) -> DFlash2Error:
     text = str(e)
     if "couldn't connect" in text or "offline" in text.lower() or "connection" in text.lower():
-        return DFlash2Error(f"target {source!r} is not a local folder and the Hugging Face Hub can't be reached "
-                            "(offline); pass a local folder with target.path=/path/to/saved/model")
-    return DFlash2Error(f"could not load target {source!r} from the Hugging Face Hub ({_first_line(e)}); check the "
-                        "id (or log in for gated models) or pass a local folder")
+        return DFlash2Error(
+            f"target {source!r} is not a local folder and the Hugging Face Hub can't be reached "
+            "(offline); pass a local folder with target.path=/path/to/saved/model"
+        )
+    return DFlash2Error(
+        f"could not load target {source!r} from the Hugging Face Hub ({_first_line(e)}); check the "
+        "id (or log in for gated models) or pass a local folder"
+    )
 
 
 def _load_tokenizer(source: str, is_local: bool, trust_remote_code: bool):
@@ -403,8 +455,10 @@ def _load_tokenizer(source: str, is_local: bool, trust_remote_code: bool):
     except Exception as e:
         if not is_local:
             return None  # a hub model without a usable tokenizer: the caller brings its own
-        raise DFlash2Error(f"tokenizer files in target folder {source} could not be loaded ({_first_line(e)}); "
-                           "re-save the tokenizer with save_pretrained or remove the broken files") from e
+        raise DFlash2Error(
+            f"tokenizer files in target folder {source} could not be loaded ({_first_line(e)}); "
+            "re-save the tokenizer with save_pretrained or remove the broken files"
+        ) from e
 
 
 def _parse_dtype(dtype: Any):

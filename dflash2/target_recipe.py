@@ -9,7 +9,8 @@ pattern of those models.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from dflash2.errors import DFlash2Error
 
@@ -20,8 +21,12 @@ def hybrid_layer_types(num_layers: int, full_attention_interval: int = 4) -> lis
     4 layers, interval 4 -> [linear, linear, linear, full] (3:1 as in Qwen3.5).
     """
     if num_layers < 1 or full_attention_interval < 1:
-        raise DFlash2Error(f"target recipe needs num_hidden_layers >= 1 and full_attention_interval >= 1 (got {num_layers}, {full_attention_interval})")
-    return ["full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention" for i in range(num_layers)]
+        raise DFlash2Error(
+            f"target recipe needs num_hidden_layers >= 1 and full_attention_interval >= 1 (got {num_layers}, {full_attention_interval})"
+        )
+    return [
+        "full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention" for i in range(num_layers)
+    ]
 
 
 def hybrid_target_config(recipe: Mapping[str, Any], *, eos_token_id: int, pad_token_id: int):
@@ -51,7 +56,11 @@ def hybrid_target_config(recipe: Mapping[str, Any], *, eos_token_id: int, pad_to
         max_position_embeddings=int(r.get("max_position_embeddings", 4096)),
         # Full rotary on the attention layers: simpler to reason about than
         # Qwen3.5's partial rotary, and irrelevant to the drafter.
-        rope_parameters={"rope_type": "default", "rope_theta": float(r.get("rope_theta", 10000.0)), "partial_rotary_factor": 1.0},
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": float(r.get("rope_theta", 10000.0)),
+            "partial_rotary_factor": 1.0,
+        },
         tie_word_embeddings=True,  # halves the parameters of a tiny model; HF handles it
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,

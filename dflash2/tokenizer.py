@@ -33,8 +33,12 @@ _MIN_VOCAB = len(SPECIAL_TOKENS) + len(_BYTE_ALPHABET)  # 259: nothing smaller c
 _MODEL_MAX_LENGTH = 1 << 30  # the model, not the tokenizer, limits length; avoid HF's length warnings
 
 
-def train_bpe_tokenizer(texts: Iterable[str | Document], vocab_size: int = 2048, min_frequency: int = 2,
-                        max_train_bytes: int | None = 8_000_000) -> PreTrainedTokenizerFast:
+def train_bpe_tokenizer(
+    texts: Iterable[str | Document],
+    vocab_size: int = 2048,
+    min_frequency: int = 2,
+    max_train_bytes: int | None = 8_000_000,
+) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE on ``texts`` and wrap it for transformers.
 
     Reads texts in the given order until ``max_train_bytes`` UTF-8 bytes have
@@ -46,8 +50,10 @@ def train_bpe_tokenizer(texts: Iterable[str | Document], vocab_size: int = 2048,
     targets (DESIGN §8).
     """
     if vocab_size < _MIN_VOCAB:
-        raise DFlash2Error(f"tokenizer vocab_size {vocab_size} is below {_MIN_VOCAB} "
-                           "(256 bytes + 3 special tokens); raise tokenizer.vocab_size")
+        raise DFlash2Error(
+            f"tokenizer vocab_size {vocab_size} is below {_MIN_VOCAB} "
+            "(256 bytes + 3 special tokens); raise tokenizer.vocab_size"
+        )
     consumed = [0]  # bytes and texts seen by the generator, checked after training
     texts_seen = [0]
 
@@ -96,8 +102,14 @@ def wrap_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:
     )
 
 
-def encode_documents(tokenizer, documents: Iterable[str | Document], *, add_eos: bool = True,
-                     batch_size: int = 256, show_progress: bool = True) -> np.ndarray:
+def encode_documents(
+    tokenizer,
+    documents: Iterable[str | Document],
+    *,
+    add_eos: bool = True,
+    batch_size: int = 256,
+    show_progress: bool = True,
+) -> np.ndarray:
     """Token ids of all documents concatenated, each followed by EOS: shape (N,), int32.
 
     This is the flat stream LM pretraining samples windows from; EOS marks

@@ -28,8 +28,15 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     """Environment for a child `python` of a test: the repo and tests importable *in front of* the
     caller's PYTHONPATH (kept: the GPU image installs the extra wheels there), offline wandb, 1 thread."""
     path = os.pathsep.join(p for p in (str(REPO), str(TESTS), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1",
-            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **extra}
+    return {
+        **os.environ,
+        "PYTHONPATH": path,
+        "WANDB_MODE": "offline",
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        **extra,
+    }
 
 
 def pytest_collection_modifyitems(config, items):
@@ -113,14 +120,19 @@ MICRO_DRAFTER_OVERRIDES = [
 @pytest.fixture(scope="session")
 def micro_target_dir(tmp_path_factory):
     """A random-weight 3:1 hybrid target with a real BPE tokenizer, saved as an HF folder (seconds)."""
+    from transformers import AutoModelForCausalLM
+
     from dflash2.corpus import load_documents
     from dflash2.target_recipe import hybrid_target_config
     from dflash2.tokenizer import train_bpe_tokenizer
-    from transformers import AutoModelForCausalLM
 
     docs = load_documents([{"kind": "stdlib"}], "train", max_documents=60)
-    tokenizer = train_bpe_tokenizer((d.text for d in docs), vocab_size=MICRO_RECIPE["vocab_size"], max_train_bytes=400_000)
-    config = hybrid_target_config(MICRO_RECIPE, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    tokenizer = train_bpe_tokenizer(
+        (d.text for d in docs), vocab_size=MICRO_RECIPE["vocab_size"], max_train_bytes=400_000
+    )
+    config = hybrid_target_config(
+        MICRO_RECIPE, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).float().eval()
     out = tmp_path_factory.mktemp("micro_target")
@@ -140,8 +152,8 @@ def micro_train_overrides(micro_target_dir, tmp_path_factory):
     return [f"paths.cache_dir={cache}", f"target.path={micro_target_dir}", *MICRO_DRAFTER_OVERRIDES]
 
 
-# ---------------------------------------------------------------- spec decoding (issue 4)
-# Tiny random fp32 targets + drafters shared by test_spec_*.py, test_gdn_rollback.py and
+# ---------------------------------------------------------------- reference decoding (issue 4)
+# Tiny random fp32 targets + drafters shared by test_reference_*.py, test_gdn_rollback.py and
 # test_eval_acceptance.py. initializer_range 0.1 (not HF's 0.02): greedy outputs of random
 # models stay diverse for 200+ tokens and top-2 logit margins stay >= 1e-3, far above fp32
 # rounding, so "spec == greedy token for token" tests the algorithm, not near-ties.
@@ -151,15 +163,28 @@ SPEC_VOCAB = 128
 def spec_target_config(kind: str, vocab_size: int = SPEC_VOCAB, hidden_size: int = 32):
     import transformers
 
-    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, initializer_range=0.1,
-                  max_position_embeddings=1024)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        initializer_range=0.1,
+        max_position_embeddings=1024,
+    )
     if kind == "qwen3":
         return transformers.Qwen3Config(num_hidden_layers=2, **common)
     # Qwen3.5 text: 3 Gated DeltaNet : 1 attention, as the real hybrids (DESIGN §5)
-    return transformers.Qwen3_5TextConfig(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
-                                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                                          linear_value_head_dim=8, **common)
+    return transformers.Qwen3_5TextConfig(
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        **common,
+    )
 
 
 def spec_target(kind: str, seed: int = 0, **kw):
@@ -177,12 +202,26 @@ def spec_drafter(target, block_size: int, v2: bool = False, seed: int = 1):
     """A random DFlash (v1) or DFlash2 (conv + selector) drafter matching ``target``."""
     from dflash2.drafter import DFlashDrafter, DrafterConfig
 
-    cfg = DrafterConfig(hidden_size=target.hidden_size, intermediate_size=64, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
-                        max_position_embeddings=1024, vocab_size=target.vocab_size,
-                        target_hidden_size=target.hidden_size, target_layer_ids=list(target.target_layer_ids),
-                        mask_token_id=target.vocab_size - 1, block_size=block_size, use_local_conv=v2,
-                        conv_group_size=8, use_selector=v2, selector_rank=8, selector_top_k=4)
+    cfg = DrafterConfig(
+        hidden_size=target.hidden_size,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rope_theta=10000.0,
+        max_position_embeddings=1024,
+        vocab_size=target.vocab_size,
+        target_hidden_size=target.hidden_size,
+        target_layer_ids=list(target.target_layer_ids),
+        mask_token_id=target.vocab_size - 1,
+        block_size=block_size,
+        use_local_conv=v2,
+        conv_group_size=8,
+        use_selector=v2,
+        selector_rank=8,
+        selector_top_k=4,
+    )
     torch.manual_seed(seed)
     return DFlashDrafter(cfg).eval()
 

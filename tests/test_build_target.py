@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import MICRO_TARGET_OVERRIDES as MICRO
+from conftest import subprocess_env
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from conftest import MICRO_TARGET_OVERRIDES as MICRO, subprocess_env
 from dflash2.training.build_target import build_work_dir, target_cache_key
 from dflash2.training.cli import CONFIG_DIR
 from dflash2.training.run import run_from_config
@@ -86,7 +87,9 @@ def test_rebuild_from_the_seed_is_identical(built):
     a = load_file(tmp / "a" / "target" / "model.safetensors")
     c = load_file(tmp / "c" / "target" / "model.safetensors")
     assert a.keys() == c.keys() and all(torch.equal(a[k], c[k]) for k in a)
-    assert (tmp / "a" / "target" / "tokenizer.json").read_text() == (tmp / "c" / "target" / "tokenizer.json").read_text()
+    assert (tmp / "a" / "target" / "tokenizer.json").read_text() == (
+        tmp / "c" / "target" / "tokenizer.json"
+    ).read_text()
 
 
 # ----------------------------------------------------------------- SIGKILL mid-build, then resume
@@ -116,7 +119,9 @@ EVERY = ["target.recipe.checkpoint_every_steps=2"]
 
 
 def build8(tmp_path, name, cache, *extra):
-    return run_from_config(compose_cfg([*EIGHT_STEPS, *extra, f"paths.output_dir={tmp_path / name}", f"paths.cache_dir={cache}"]))
+    return run_from_config(
+        compose_cfg([*EIGHT_STEPS, *extra, f"paths.output_dir={tmp_path / name}", f"paths.cache_dir={cache}"])
+    )
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +153,10 @@ def test_sigkilled_build_resumes_to_the_weights_of_an_uninterrupted_build(tmp_pa
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-c", KILLING_CHILD, str(KILL_AT), *overrides, f"hydra.run.dir={tmp_path / 'hydra'}"],
-            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     try:
         reference, reference_cache = request.getfixturevalue("reference8")  # built meanwhile, unless already there
@@ -175,7 +183,9 @@ def test_sigkilled_build_resumes_to_the_weights_of_an_uninterrupted_build(tmp_pa
     assert_same_target(reference, tmp_path / "resumed" / "target")
 
 
-def test_build_resumed_early_in_its_epoch_sees_the_remaining_batches_in_order(tmp_path, reference8, monkeypatch, capsys):
+def test_build_resumed_early_in_its_epoch_sees_the_remaining_batches_in_order(
+    tmp_path, reference8, monkeypatch, capsys
+):
     """Resumed at step 2 of 8, more batches remain (6) than were done (2): Lightning then ends the resumed
     "epoch" after 4 batches and iterates the loader again, which must continue at step 6, not repeat
     steps 2-3. Here the first attempt dies by an exception (in-process) instead of SIGKILL."""
@@ -195,7 +205,10 @@ def test_build_resumed_early_in_its_epoch_sees_the_remaining_batches_in_order(tm
     monkeypatch.setattr(CausalLMPretrainModule, "training_step", train_step)
     [final] = reference8[1].joinpath("targets").glob("tiny-*")  # the same key: the interval is not part of it
     work = build_work_dir(tmp_path / "cache" / "targets" / final.name)
-    assert not (tmp_path / "cache" / "targets" / final.name).exists() and torch.load(work / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 2
+    assert (
+        not (tmp_path / "cache" / "targets" / final.name).exists()
+        and torch.load(work / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 2
+    )
 
     capsys.readouterr()
     build8(tmp_path, "resumed", tmp_path / "cache", *EVERY)
@@ -240,8 +253,11 @@ def test_gpu_out_of_memory_in_pretraining_names_the_recipe_knobs(tmp_path, monke
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 GiB")
 
     monkeypatch.setattr(CausalLMPretrainModule, "training_step", oom)
-    with pytest.raises(DFlash2Error, match=r"^out of GPU memory during target pretraining; lower one of target.recipe.batch_size=4, "
-                                           r"target.recipe.seq_len=32, target.recipe.hidden_size=32, then rerun to resume") as err:
+    with pytest.raises(
+        DFlash2Error,
+        match=r"^out of GPU memory during target pretraining; lower one of target.recipe.batch_size=4, "
+        r"target.recipe.seq_len=32, target.recipe.hidden_size=32, then rerun to resume",
+    ) as err:
         build(tmp_path, "oom", tmp_path / "cache")
     assert "\n" not in str(err.value)
     assert not list((tmp_path / "cache" / "targets").glob("tiny-*")) and not (tmp_path / "oom" / "target").exists()

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import sys
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -20,7 +19,11 @@ GROUPS = {p.name: sorted(q.stem for q in p.glob("*.yaml")) for p in Path(CONFIG_
 def _compose(overrides, tmp_path):
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("train", overrides=[f"paths.output_dir={tmp_path}", f"paths.cache_dir={tmp_path}/cache", *overrides], return_hydra_config=True)
+        cfg = compose(
+            "train",
+            overrides=[f"paths.output_dir={tmp_path}", f"paths.cache_dir={tmp_path}/cache", *overrides],
+            return_hydra_config=True,
+        )
     GlobalHydra.instance().clear()
     return cfg
 
@@ -96,7 +99,9 @@ def test_wandb_logger_without_the_package_is_a_one_line_error(monkeypatch, tmp_p
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError, as on a machine without it
     cfg = _compose(["logger=wandb"], tmp_path)
-    with pytest.raises(DFlash2Error, match=r"^logger=wandb needs the wandb package: pip install wandb, or pick logger=csv") as err:
+    with pytest.raises(
+        DFlash2Error, match=r"^logger=wandb needs the wandb package: pip install wandb, or pick logger=csv"
+    ) as err:
         instantiate_loggers(cfg)
     assert "\n" not in str(err.value)
 
@@ -108,7 +113,12 @@ def test_hydra_record_lands_in_the_run_folder(tmp_path):
     from conftest import REPO, subprocess_env
 
     run = tmp_path / "run"
-    out = subprocess.run([sys.executable, str(REPO / "train.py"), f"paths.output_dir={run}", "task=no_such_task"],
-                         cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), f"paths.output_dir={run}", "task=no_such_task"],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 2 and "task='no_such_task'" in out.stderr
     assert (run / ".hydra" / "config.yaml").is_file() and not (tmp_path / "outputs").exists()

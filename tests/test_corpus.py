@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import subprocess_env
+
 from dflash2.corpus import (
     SPLITS,
     corpus_fingerprint,
@@ -52,11 +52,14 @@ def test_split_of_is_deterministic_and_respects_fractions():
 def test_split_of_agrees_across_processes():
     """sha256, not hash(): a fresh interpreter with another hash seed agrees."""
     keys = [f"stdlib:mod{i}.py" for i in range(300)]
-    code = ("import json,sys; from dflash2.corpus import split_of; "
-            "print(json.dumps([split_of(k) for k in json.loads(sys.argv[1])]))")
+    code = (
+        "import json,sys; from dflash2.corpus import split_of; "
+        "print(json.dumps([split_of(k) for k in json.loads(sys.argv[1])]))"
+    )
     env = subprocess_env(PYTHONHASHSEED="12345")
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(keys)], env=env, cwd=REPO,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(keys)], env=env, cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
     assert json.loads(out) == [split_of(k) for k in keys]
 
 
@@ -65,7 +68,9 @@ def test_split_of_agrees_across_processes():
 
 def test_stdlib_splits_are_disjoint_and_cover_everything(stdlib_docs):
     keys = [d.key for d in stdlib_docs]
-    assert len(keys) == len(set(keys)) > 500  # ~1,800 files in a full CPython 3.11 stdlib, 574 on the GPU image's Ubuntu 3.12
+    assert (
+        len(keys) == len(set(keys)) > 500
+    )  # ~1,800 files in a full CPython 3.11 stdlib, 574 on the GPU image's Ubuntu 3.12
     assert keys == sorted(keys)
     by_split = {s: {d.key for d in load_documents(STDLIB, s)} for s in SPLITS}
     assert set().union(*by_split.values()) == set(keys)

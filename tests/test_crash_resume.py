@@ -87,7 +87,9 @@ EVERY = 2
 HOLD = 5  # killed before step index 5: step 4 trained after the step-4 checkpoint is lost, step 6's checkpoint never written
 
 
-def run_overrides(micro_train_overrides, output_dir: Path, hold_at_step: int = -1, marker: Path | None = None) -> list[str]:
+def run_overrides(
+    micro_train_overrides, output_dir: Path, hold_at_step: int = -1, marker: Path | None = None
+) -> list[str]:
     return [
         *micro_train_overrides,
         f"paths.output_dir={output_dir}",
@@ -115,7 +117,9 @@ def run_in_process(overrides: list[str]) -> dict:
 
 def launch(overrides: list[str], log: Path) -> subprocess.Popen:
     env = subprocess_env()
-    return subprocess.Popen([sys.executable, "train.py", *overrides], cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "train.py", *overrides], cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT
+    )
 
 
 def ckpt_step(path: Path) -> int | None:
@@ -166,7 +170,10 @@ def test_sigkilled_training_resumes_from_the_last_checkpoint_on_the_same_loss_cu
     assert summary["drafter"]["steps"] == MAX_STEPS
 
     assert ckpt_step(ckpts / "last.ckpt") == MAX_STEPS
-    assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt", *(f"step{s:06d}.ckpt" for s in range(EVERY, MAX_STEPS + 1, EVERY))]
+    assert sorted(p.name for p in ckpts.iterdir()) == [
+        "last.ckpt",
+        *(f"step{s:06d}.ckpt" for s in range(EVERY, MAX_STEPS + 1, EVERY)),
+    ]
     for path in ckpts.iterdir():  # every checkpoint under a final name is complete
         assert ckpt_step(path) == (MAX_STEPS if path.name == "last.ckpt" else int(path.stem.removeprefix("step")))
     assert (run / "drafter" / "model.safetensors").exists()

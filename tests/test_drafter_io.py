@@ -15,10 +15,25 @@ V2_ONLY = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top
 
 
 def tiny(**kw):
-    base = dict(hidden_size=D, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, rope_theta=10000.0, max_position_embeddings=256,
-                vocab_size=V, target_hidden_size=16, target_layer_ids=[1, 3], mask_token_id=V - 1,
-                block_size=B, conv_group_size=8, selector_rank=8, selector_top_k=5, num_target_layers=6)
+    base = dict(
+        hidden_size=D,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        vocab_size=V,
+        target_hidden_size=16,
+        target_layer_ids=[1, 3],
+        mask_token_id=V - 1,
+        block_size=B,
+        conv_group_size=8,
+        selector_rank=8,
+        selector_top_k=5,
+        num_target_layers=6,
+    )
     base.update(kw)
     return DrafterConfig(**base)
 

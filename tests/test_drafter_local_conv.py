@@ -48,7 +48,7 @@ def test_no_mixing_across_blocks_and_no_lookahead():
         blk = i // B
         # only positions >= i inside the same block may change
         allowed = torch.zeros(T, dtype=torch.bool)
-        allowed[i: (blk + 1) * B] = True
+        allowed[i : (blk + 1) * B] = True
         assert not changed[~allowed].any(), f"perturbing {i} changed {changed.nonzero().flatten().tolist()}"
         assert changed[i]
 

@@ -43,7 +43,7 @@ def test_padded_anchor_sees_only_its_block():
     valid = torch.tensor([[True, False]])
     m = dense_block_mask(anchors, valid, L, B)[0, 0]
     assert not m[B:, :L].any()  # padded block: no context
-    assert m[B:, L + B:].all() and not m[B:, L:L + B].any()  # own block only
+    assert m[B:, L + B :].all() and not m[B:, L : L + B].any()  # own block only
     assert m[:B, :5].all() and not m[:B, 5:L].any()  # valid block: context < 5
 
 
@@ -64,11 +64,25 @@ def test_mask_mod_matches_dense_on_cpu():
 @pytest.mark.cuda
 def test_flex_vs_dense_model_outputs():
     torch.manual_seed(0)
-    cfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=1024,
-                        vocab_size=128, target_hidden_size=32, target_layer_ids=[0, 1], mask_token_id=127,
-                        block_size=8, use_local_conv=True, use_selector=True, selector_rank=16,
-                        selector_top_k=4)
+    cfg = DrafterConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        max_position_embeddings=1024,
+        vocab_size=128,
+        target_hidden_size=32,
+        target_layer_ids=[0, 1],
+        mask_token_id=127,
+        block_size=8,
+        use_local_conv=True,
+        use_selector=True,
+        selector_rank=16,
+        selector_top_k=4,
+    )
     dev = "cuda"
     m = DFlashDrafter(cfg).to(dev)
     emb = torch.nn.Embedding(128, 64).to(dev)

@@ -14,10 +14,24 @@ V, D, DT, B = 96, 32, 16, 4
 
 
 def tiny(**kw):
-    base = dict(hidden_size=D, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, rope_theta=10000.0, max_position_embeddings=256,
-                vocab_size=V, target_hidden_size=DT, target_layer_ids=[0, 2], mask_token_id=V - 1,
-                block_size=B, conv_group_size=8, selector_rank=8, selector_top_k=5)
+    base = dict(
+        hidden_size=D,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        vocab_size=V,
+        target_hidden_size=DT,
+        target_layer_ids=[0, 2],
+        mask_token_id=V - 1,
+        block_size=B,
+        conv_group_size=8,
+        selector_rank=8,
+        selector_top_k=5,
+    )
     base.update(kw)
     return DrafterConfig(**base)
 
@@ -36,9 +50,19 @@ def randomized(cfg, seed=0):
 V1_KEYS = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
     f"layers.{i}.{k}.weight"
     for i in range(2)
-    for k in ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-              "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-              "input_layernorm", "post_attention_layernorm"]
+    for k in [
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "self_attn.q_norm",
+        "self_attn.k_norm",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+        "input_layernorm",
+        "post_attention_layernorm",
+    ]
 }
 
 
@@ -55,8 +79,11 @@ def test_v2_adds_exactly_the_conv_and_selector_keys():
     m = DFlashDrafter(tiny(use_local_conv=True, use_selector=True))
     sd = m.state_dict()
     groups = D // 8
-    extra = {"candidate_selector.predecessor_codebook": (V, 8), "candidate_selector.successor_codebook": (V, 8),
-             "candidate_selector.hidden_projection.weight": (8, D)}
+    extra = {
+        "candidate_selector.predecessor_codebook": (V, 8),
+        "candidate_selector.successor_codebook": (V, 8),
+        "candidate_selector.hidden_projection.weight": (8, D),
+    }
     for i in range(2):
         for c in ("attention_conv", "mlp_conv"):
             extra[f"layers.{i}.{c}.base_kernel"] = (2, 2, D)
@@ -73,8 +100,13 @@ def test_v2_at_init_equals_v1():
     v2 = DFlashDrafter(tiny(use_local_conv=True)).eval()
     v2.load_state_dict(v1.state_dict(), strict=False)
     emb = torch.nn.Embedding(V, D)
-    args = (torch.randn(1, 12, 2 * DT), torch.randint(0, V, (1, 12)), emb,
-            torch.tensor([[3, 7]]), torch.tensor([[True, True]]))
+    args = (
+        torch.randn(1, 12, 2 * DT),
+        torch.randint(0, V, (1, 12)),
+        emb,
+        torch.tensor([[3, 7]]),
+        torch.tensor([[True, True]]),
+    )
     torch.testing.assert_close(v1.training_forward(*args), v2.training_forward(*args))
 
 
@@ -140,9 +172,10 @@ def test_batched_cache_with_ragged_lengths_matches_rows():
     out = m.draft_block(blk, bpos, cache)
     for n, L in enumerate([7, 4]):
         single = ContextCache()
-        single.append(m, c[n:n + 1, :L], pos[n:n + 1, :L])
-        torch.testing.assert_close(out[n:n + 1], m.draft_block(blk[n:n + 1], bpos[n:n + 1], single),
-                                   atol=1e-5, rtol=1e-5)
+        single.append(m, c[n : n + 1, :L], pos[n : n + 1, :L])
+        torch.testing.assert_close(
+            out[n : n + 1], m.draft_block(blk[n : n + 1], bpos[n : n + 1], single), atol=1e-5, rtol=1e-5
+        )
 
 
 @torch.no_grad()
@@ -180,9 +213,14 @@ def test_rope_is_neox_rotate_half():
 def test_config_validation_and_roundtrip():
     cfg = tiny(use_local_conv=True, use_selector=True)
     assert DrafterConfig.from_dict(cfg.to_dict()) == cfg and cfg.num_taps == 2
-    bad = [dict(mask_token_id=V), dict(block_size=1), dict(num_key_value_heads=3),
-           dict(use_local_conv=True, conv_group_size=12), dict(target_layer_ids=[]),
-           dict(use_selector=True, selector_top_k=V + 1)]
+    bad = [
+        dict(mask_token_id=V),
+        dict(block_size=1),
+        dict(num_key_value_heads=3),
+        dict(use_local_conv=True, conv_group_size=12),
+        dict(target_layer_ids=[]),
+        dict(use_selector=True, selector_top_k=V + 1),
+    ]
     for kw in bad:
         with pytest.raises(DFlash2Error):
             DFlashDrafter(dataclasses.replace(cfg, **kw))

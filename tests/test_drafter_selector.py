@@ -102,7 +102,7 @@ def test_sample_path_q_is_the_sampling_distribution():
     assert (q[~support] == 0).all() and (q.gather(-1, toks[..., None]) > 0).all()
     # first position: q does not depend on the sample; compare empirical frequencies
     n = 4000
-    rep = lambda t: t.expand(n, *t.shape[1:])  # noqa: E731
+    rep = lambda t: t.expand(n, *t.shape[1:])
     toks_n, q_n = sel.sample_path(rep(hidden), rep(logits), rep(anchor), 0.8, generator=gen)
     freq = torch.bincount(toks_n[:, 0], minlength=V).float() / n
     assert (freq - q_n[0, 0]).abs().max() < 0.03
@@ -110,7 +110,9 @@ def test_sample_path_q_is_the_sampling_distribution():
     for i in range(3):
         pred = toks_n[i, 0]
         hh = sel.hidden_projection(hidden[0, 1])
-        s = logits[0, 1, cand[0, 1]] + (sel.predecessor_codebook[pred] * hh * sel.successor_codebook[cand[0, 1]]).sum(-1)
+        s = logits[0, 1, cand[0, 1]] + (sel.predecessor_codebook[pred] * hh * sel.successor_codebook[cand[0, 1]]).sum(
+            -1
+        )
         torch.testing.assert_close(q_n[i, 1, cand[0, 1]], torch.softmax(s / 0.8, -1))
 
 

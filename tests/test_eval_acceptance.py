@@ -42,8 +42,15 @@ def test_writes_all_files_and_is_lossless(saved, tmp_path, caplog):
     target, drafter = saved["target"], saved["drafter"]
     too_long = list(range(3, 60))  # 57 + 16 new + 3 drafted > max_context 64
     with caplog.at_level(logging.WARNING):
-        res = evaluate_acceptance(target, drafter, ["def add(a, b):", too_long, [5, 6, 7]], max_new_tokens=16,
-                                  output_dir=tmp_path, max_context=64, show_progress=False)
+        res = evaluate_acceptance(
+            target,
+            drafter,
+            ["def add(a, b):", too_long, [5, 6, 7]],
+            max_new_tokens=16,
+            output_dir=tmp_path,
+            max_context=64,
+            show_progress=False,
+        )
     assert all((tmp_path / f).is_file() for f in FILES)
     assert res["lossless"] is True and res["first_mismatch"] is None
     assert res["num_prompts"] == 2 and res["skipped_prompts"] == 1 and res["skipped"][0]["index"] == 1
@@ -75,8 +82,9 @@ def test_mismatch_is_reported_with_the_logit_margin(saved, monkeypatch):
         return out
 
     monkeypatch.setattr(acceptance_mod, "greedy_generate", corrupted)
-    res = evaluate_acceptance(saved["target"], saved["drafter"], [[5, 6, 7], [8, 9]], max_new_tokens=8,
-                              eos_token_id=None, show_progress=False)
+    res = evaluate_acceptance(
+        saved["target"], saved["drafter"], [[5, 6, 7], [8, 9]], max_new_tokens=8, eos_token_id=None, show_progress=False
+    )
     assert res["lossless"] is False
     mm = res["first_mismatch"]
     assert (mm["prompt_index"], mm["token_index"]) == (0, 3)
@@ -85,8 +93,9 @@ def test_mismatch_is_reported_with_the_logit_margin(saved, monkeypatch):
 
 
 def test_sampling_run_and_settings_errors(saved):
-    res = evaluate_acceptance(saved["target"], saved["drafter"], [[5, 6, 7]], max_new_tokens=6, temperature=1.0,
-                              show_progress=False)
+    res = evaluate_acceptance(
+        saved["target"], saved["drafter"], [[5, 6, 7]], max_new_tokens=6, temperature=1.0, show_progress=False
+    )
     assert res["lossless"] is None and res["settings"]["check_lossless"] is False and res["steps"] >= 1
     with pytest.raises(DFlash2Error, match="temperature=0"):
         evaluate_acceptance(saved["target"], saved["drafter"], [[5]], temperature=1.0, check_lossless=True)
@@ -96,13 +105,16 @@ def test_sampling_run_and_settings_errors(saved):
         evaluate_acceptance(saved["target"], saved["drafter"], [[5] * 70], max_context=64, show_progress=False)
 
 
-@pytest.mark.parametrize("change,message", [
-    (dict(vocab_size=VOCAB + 64), "vocab"),
-    (dict(hidden_size=48, target_hidden_size=48, head_dim=12, conv_group_size=8), "hidden size"),
-    (dict(target_layer_ids=[0, 5]), "taps"),
-    (dict(target_layer_ids=[0, 2]), "target layers"),
-    (dict(target_tokenizer_fingerprint="0123456789abcdef"), "tokenizer fingerprint 0123456789abcdef vs target"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(vocab_size=VOCAB + 64), "vocab"),
+        (dict(hidden_size=48, target_hidden_size=48, head_dim=12, conv_group_size=8), "hidden size"),
+        (dict(target_layer_ids=[0, 5]), "taps"),
+        (dict(target_layer_ids=[0, 2]), "target layers"),
+        (dict(target_tokenizer_fingerprint="0123456789abcdef"), "tokenizer fingerprint 0123456789abcdef vs target"),
+    ],
+)
 def test_drafter_for_another_target_is_refused(saved, change, message):
     cfg = dataclasses.replace(saved["drafter"].config, **change)
     with pytest.raises(DFlash2Error, match=message):
@@ -121,13 +133,16 @@ def test_jsonl_prompts_and_chat_template(saved, tmp_path):
     assert ids == chat("<user>def add(a, b):\n<assistant>", add_special_tokens=False)["input_ids"]
 
 
-@pytest.mark.parametrize("content,message", [
-    ('{"prompt": "ok"}\n{"prompt": "fine"}\n{"prompt": 3}\n', "line 3"),
-    ('{"prompt": "ok"}\nnot json\n', "line 2"),
-    ('["a list"]\n', "line 1"),
-    ('{"text": "wrong key"}\n', "line 1"),
-    ("\n\n", "empty"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ('{"prompt": "ok"}\n{"prompt": "fine"}\n{"prompt": 3}\n', "line 3"),
+        ('{"prompt": "ok"}\nnot json\n', "line 2"),
+        ('["a list"]\n', "line 1"),
+        ('{"text": "wrong key"}\n', "line 1"),
+        ("\n\n", "empty"),
+    ],
+)
 def test_bad_prompt_files_name_the_line(saved, tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(content)
@@ -154,16 +169,23 @@ def _cli(monkeypatch, *overrides):
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
-    monkeypatch.setattr(sys, "argv", ["eval.acceptance", *overrides, "hydra/job_logging=none",
-                                      "hydra/hydra_logging=none"])
+    monkeypatch.setattr(
+        sys, "argv", ["eval.acceptance", *overrides, "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    )
     acceptance_cli.main()
 
 
 def test_cli_writes_results_from_saved_folders(saved, tmp_path, monkeypatch, capsys):
     assert importlib.import_module("eval.acceptance").main is acceptance_cli.main  # the `python -m` shim
     out = tmp_path / "out"
-    _cli(monkeypatch, f"target={saved['root'] / 'target'}", f"drafter={saved['root'] / 'drafter'}",
-         f"prompts={saved['prompts']}", "max_new_tokens=8", f"paths.output_dir={out}")
+    _cli(
+        monkeypatch,
+        f"target={saved['root'] / 'target'}",
+        f"drafter={saved['root'] / 'drafter'}",
+        f"prompts={saved['prompts']}",
+        "max_new_tokens=8",
+        f"paths.output_dir={out}",
+    )
     assert all((out / f).is_file() for f in FILES)
     assert (out / ".hydra" / "config.yaml").is_file()  # Hydra's record lands beside the results
     res = json.loads((out / "results.json").read_text())
@@ -181,12 +203,22 @@ def test_cli_out_of_gpu_memory_names_the_knobs_and_writes_nothing(saved, tmp_pat
     monkeypatch.setattr(acceptance_mod, "evaluate_acceptance", oom)
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as exit_info:
-        _cli(monkeypatch, f"target={saved['root'] / 'target'}", f"drafter={saved['root'] / 'drafter'}",
-             f"prompts={saved['prompts']}", "max_new_tokens=8", f"paths.output_dir={out}")
+        _cli(
+            monkeypatch,
+            f"target={saved['root'] / 'target'}",
+            f"drafter={saved['root'] / 'drafter'}",
+            f"prompts={saved['prompts']}",
+            "max_new_tokens=8",
+            f"paths.output_dir={out}",
+        )
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the weight-loading progress bar
-    assert err.startswith("error: out of GPU memory during speculative decoding; lower one of max_new_tokens=8, "
-                          "prompt_tokens=64") and "dtype=bfloat16" in err
+    assert (
+        err.startswith(
+            "error: out of GPU memory during speculative decoding; lower one of max_new_tokens=8, prompt_tokens=64"
+        )
+        and "dtype=bfloat16" in err
+    )
     assert err.endswith("or free the GPU of other processes")  # the whole message is this one line
     assert not any((out / f).exists() for f in FILES)
 

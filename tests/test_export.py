@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dflash2.decoding.decoder import speculative_generate
 from dflash2.drafter import DFlashDrafter, DrafterConfig, load_drafter, save_drafter
 from dflash2.errors import DFlash2Error
 from dflash2.export import export_drafter, main, read_target_info
-from dflash2.spec.decoder import speculative_generate
 from dflash2.target import TargetModel
 
 TAPS = [0, 1, 2]
@@ -26,12 +26,28 @@ def micro_target(micro_target_dir):
 
 def drafter_config(target_dir, v2: bool, **kw) -> DrafterConfig:
     t = read_target_info(str(target_dir))
-    base = dict(hidden_size=t.hidden_size, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=16, rope_theta=t.rope_theta, max_position_embeddings=1024,
-                vocab_size=t.vocab_size, target_hidden_size=t.hidden_size, target_layer_ids=list(TAPS),
-                mask_token_id=t.vocab_size - 1, block_size=4, use_local_conv=v2, conv_group_size=8,
-                use_selector=v2, selector_rank=8, selector_top_k=4, num_target_layers=t.num_layers,
-                target_name_or_path=str(target_dir))
+    base = dict(
+        hidden_size=t.hidden_size,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        rope_theta=t.rope_theta,
+        max_position_embeddings=1024,
+        vocab_size=t.vocab_size,
+        target_hidden_size=t.hidden_size,
+        target_layer_ids=list(TAPS),
+        mask_token_id=t.vocab_size - 1,
+        block_size=4,
+        use_local_conv=v2,
+        conv_group_size=8,
+        use_selector=v2,
+        selector_rank=8,
+        selector_top_k=4,
+        num_target_layers=t.num_layers,
+        target_name_or_path=str(target_dir),
+    )
     base.update(kw)
     return DrafterConfig(**base)
 
@@ -45,8 +61,11 @@ def fake_ckpt(tmp_path, cfg: DrafterConfig, seed: int = 0, name: str = "run"):
             p.add_(torch.randn_like(p) * 0.2)
     ckpt_dir = tmp_path / name / "checkpoints"
     ckpt_dir.mkdir(parents=True)
-    ckpt = {"state_dict": {f"drafter.{k}": v for k, v in drafter.state_dict().items()}, "global_step": 6,
-            "dflash2": {"drafter_config": cfg.to_dict(), "target_id": cfg.target_name_or_path}}
+    ckpt = {
+        "state_dict": {f"drafter.{k}": v for k, v in drafter.state_dict().items()},
+        "global_step": 6,
+        "dflash2": {"drafter_config": cfg.to_dict(), "target_id": cfg.target_name_or_path},
+    }
     torch.save(ckpt, ckpt_dir / "last.ckpt")
     return ckpt_dir / "last.ckpt", drafter.eval()
 
@@ -110,7 +129,9 @@ def test_wrong_key_and_v2_weights_in_v1_format(tmp_path, micro_target_dir):
     sd = data["state_dict"]
     sd["drafter.layers.0.self_attn.qproj.weight"] = sd.pop("drafter.layers.0.self_attn.q_proj.weight")
     torch.save(data, ckpt)
-    _expect_error(tmp_path, ckpt, r"missing \['layers\.0\.self_attn\.q_proj\.weight'\].*unexpected \['layers\.0\.self_attn\.qproj")
+    _expect_error(
+        tmp_path, ckpt, r"missing \['layers\.0\.self_attn\.q_proj\.weight'\].*unexpected \['layers\.0\.self_attn\.qproj"
+    )
     # a v1 drafter cannot be exported as DFlash2
     v1, _ = fake_ckpt(tmp_path, drafter_config(micro_target_dir, False), name="v1")
     _expect_error(tmp_path, v1, r"format=dflash2 but .*use format=dflash", fmt="dflash2")
@@ -126,10 +147,12 @@ def test_wrong_shape(tmp_path, micro_target_dir):
 
 def test_shifted_layer_ids(tmp_path, micro_target_dir):
     # vLLM's +1 aux ids written as DFlash ids: layer 4 does not exist in the 4-layer target
-    ckpt, _ = fake_ckpt(tmp_path, drafter_config(micro_target_dir, False, target_layer_ids=[1, 2, 3, 4],
-                                                 num_target_layers=None))
-    _expect_error(tmp_path, ckpt, r"target_layer_ids=\[1, 2, 3, 4\] has \[4\] outside 0\.\.3.*vLLM",
-                  target=str(micro_target_dir))
+    ckpt, _ = fake_ckpt(
+        tmp_path, drafter_config(micro_target_dir, False, target_layer_ids=[1, 2, 3, 4], num_target_layers=None)
+    )
+    _expect_error(
+        tmp_path, ckpt, r"target_layer_ids=\[1, 2, 3, 4\] has \[4\] outside 0\.\.3.*vLLM", target=str(micro_target_dir)
+    )
     # an exported folder whose z-lab ids were shifted by hand disagrees with the trained ids
     good, _ = fake_ckpt(tmp_path, drafter_config(micro_target_dir, False), name="good")
     folder = export_drafter(good, tmp_path / "exp", dtype=torch.float32)
@@ -152,16 +175,24 @@ def test_hidden_size_mismatch(tmp_path, micro_target_dir):
 
 def test_drafter_of_another_tokenizer_is_refused(tmp_path, micro_target_dir):
     # same vocab size and widths, but the drafter recorded another tokenizer: its ids mean other tokens
-    ckpt, _ = fake_ckpt(tmp_path, drafter_config(micro_target_dir, False, target_tokenizer_fingerprint="0123456789abcdef"))
-    _expect_error(tmp_path, ckpt, r"does not fit target .*tokenizer fingerprint 0123456789abcdef vs [0-9a-f]{16}",
-                  target=str(micro_target_dir))
+    ckpt, _ = fake_ckpt(
+        tmp_path, drafter_config(micro_target_dir, False, target_tokenizer_fingerprint="0123456789abcdef")
+    )
+    _expect_error(
+        tmp_path,
+        ckpt,
+        r"does not fit target .*tokenizer fingerprint 0123456789abcdef vs [0-9a-f]{16}",
+        target=str(micro_target_dir),
+    )
     # the target's own fingerprint passes
     from transformers import AutoTokenizer
 
     from dflash2.tokenizer import tokenizer_fingerprint
 
     own = tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(micro_target_dir)))
-    good, _ = fake_ckpt(tmp_path, drafter_config(micro_target_dir, False, target_tokenizer_fingerprint=own), name="good")
+    good, _ = fake_ckpt(
+        tmp_path, drafter_config(micro_target_dir, False, target_tokenizer_fingerprint=own), name="good"
+    )
     assert (export_drafter(good, tmp_path / "exp", target=str(micro_target_dir)) / "model.safetensors").is_file()
 
 

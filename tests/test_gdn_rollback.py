@@ -11,8 +11,15 @@ import copy
 import pytest
 import torch
 
-from dflash2.spec.target_state import (attention_kv, cache_seq_len, crop_attention, gdn_state, restore, rollback,
-                                       snapshot)
+from dflash2.decoding.target_state import (
+    attention_kv,
+    cache_seq_len,
+    crop_attention,
+    gdn_state,
+    restore,
+    rollback,
+    snapshot,
+)
 
 B, P = 8, 6
 # Replay (chunked kernel, B-token GEMMs) vs decoding (recurrent kernel, 1-token GEMMs) differ by fp32

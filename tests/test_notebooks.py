@@ -30,13 +30,19 @@ NOTEBOOKS = ROOT / "notebooks"
 def execute(name: str):
     """Run notebooks/<name> in a fresh kernel; returns the executed notebook (in memory only)."""
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline",
-           "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "WANDB_MODE": "offline",
+        "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+    }
     # kernel_name="python3": ipykernel ships this kernelspec (and jupyter_client falls back to the
     # running interpreter's ipykernel for it), so no `ipykernel install` is needed on a clean machine.
-    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
-                                     resources={"metadata": {"path": str(ROOT)}})
+    client = nbclient.NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
+    )
     try:
         client.execute(env=env)
     finally:  # the notebook prints its temp working dir; remove it (runs, cache) once executed
@@ -69,8 +75,11 @@ def check_common(nb):
     plots = [c for c in codes if "plot" in c.metadata.get("tags", [])]
     assert plots, "no cell tagged 'plot'"
     for cell in plots:
-        images = [o for o in cell.outputs if o.get("output_type") in ("display_data", "execute_result")
-                  and "image/png" in o.get("data", {})]
+        images = [
+            o
+            for o in cell.outputs
+            if o.get("output_type") in ("display_data", "execute_result") and "image/png" in o.get("data", {})
+        ]
         assert images, f"plot cell produced no image/png:\n{cell.source[:200]}"
 
 

@@ -18,7 +18,9 @@ class CharTokenizer:
 
 def test_batches_share_a_length_and_are_file_prefixes():
     docs = [Document(key=f"k{i}", text="abcdefghij" * (i + 3), source="dir") for i in range(5)]
-    batches = code_prompt_batches(docs, CharTokenizer(), num_prompts=50, min_tokens=4, max_tokens=20, batch_size=16, seed=0)
+    batches = code_prompt_batches(
+        docs, CharTokenizer(), num_prompts=50, min_tokens=4, max_tokens=20, batch_size=16, seed=0
+    )
     assert sum(len(b.keys) for b in batches) == 50
     for b in batches:
         assert b.input_ids.shape[0] == len(b.keys) and 4 <= b.input_ids.shape[1] <= 20
@@ -28,7 +30,9 @@ def test_batches_share_a_length_and_are_file_prefixes():
 
 def test_more_prompts_than_documents_are_drawn_with_replacement():
     docs = [Document(key="a", text="x" * 50, source="dir"), Document(key="b", text="y" * 50, source="dir")]
-    batches = code_prompt_batches(docs, CharTokenizer(), num_prompts=40, min_tokens=8, max_tokens=16, batch_size=32, seed=1)
+    batches = code_prompt_batches(
+        docs, CharTokenizer(), num_prompts=40, min_tokens=8, max_tokens=16, batch_size=32, seed=1
+    )
     assert sum(len(b.keys) for b in batches) == 40
 
 

@@ -13,16 +13,22 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import subprocess_env
+
 from dflash2.data import regenerate
 from dflash2.target import TargetModel
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = {
-    "sources": [{"kind": "stdlib"}], "validation_fraction": 0.02, "heldout_fraction": 0.02,
-    "prompt_min_tokens": 8, "prompt_max_tokens": 16, "response_tokens": 16,
-    "sampling": "greedy", "temperature": 1.0, "generation_batch_size": 4,
+    "sources": [{"kind": "stdlib"}],
+    "validation_fraction": 0.02,
+    "heldout_fraction": 0.02,
+    "prompt_min_tokens": 8,
+    "prompt_max_tokens": 16,
+    "response_tokens": 16,
+    "sampling": "greedy",
+    "temperature": 1.0,
+    "generation_batch_size": 4,
 }
 NUM_PROMPTS, NUM_BATCHES, KILL_AFTER = 24, 6, 3  # killed when asked for batch 3, after shards 0-2 were saved
 SEED, LAYERS = 0, [0, 1, 2]
@@ -70,8 +76,9 @@ class Recorder:
 def regenerate_recorded(target, target_dir, cache: Path, data: dict, recorder: Recorder):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(regenerate, "generate_responses", recorder)
-        return regenerate.regenerate_split(target, data, split="train", num_prompts=NUM_PROMPTS, seed=SEED,
-                                           cache_dir=cache, target_id=str(target_dir))
+        return regenerate.regenerate_split(
+            target, data, split="train", num_prompts=NUM_PROMPTS, seed=SEED, cache_dir=cache, target_id=str(target_dir)
+        )
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +94,9 @@ def reference(micro_target, micro_target_dir, tmp_path_factory):
     def get(sampling: str):
         if sampling not in made:
             cache, recorder = tmp_path_factory.mktemp(f"reference_{sampling}"), Recorder()
-            dataset = regenerate_recorded(micro_target, micro_target_dir, cache, {**DATA, "sampling": sampling}, recorder)
+            dataset = regenerate_recorded(
+                micro_target, micro_target_dir, cache, {**DATA, "sampling": sampling}, recorder
+            )
             assert len(recorder.calls) == NUM_BATCHES and len(dataset) == NUM_PROMPTS
             made[sampling] = (dataset, recorder.calls, cache)
         return made[sampling]
@@ -97,8 +106,18 @@ def reference(micro_target, micro_target_dir, tmp_path_factory):
 
 def launch_child(target_dir: Path, cache: Path, data: dict, log: Path) -> subprocess.Popen:
     env = subprocess_env()
-    args = [str(target_dir), str(cache), json.dumps(data), str(KILL_AFTER), str(NUM_PROMPTS), str(SEED), json.dumps(LAYERS)]
-    return subprocess.Popen([sys.executable, "-c", CHILD, *args], cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    args = [
+        str(target_dir),
+        str(cache),
+        json.dumps(data),
+        str(KILL_AFTER),
+        str(NUM_PROMPTS),
+        str(SEED),
+        json.dumps(LAYERS),
+    ]
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, *args], cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT
+    )
 
 
 def assert_same_rows(dataset, expected) -> None:
@@ -125,7 +144,10 @@ def killed_caches(micro_target_dir, reference, tmp_path_factory):
     Both children run at once and the references are made meanwhile: most of a child's time is imports.
     """
     root = tmp_path_factory.mktemp("killed")
-    procs = {s: launch_child(micro_target_dir, root / s, {**DATA, "sampling": s}, root / f"{s}.log") for s in ("greedy", "sample")}
+    procs = {
+        s: launch_child(micro_target_dir, root / s, {**DATA, "sampling": s}, root / f"{s}.log")
+        for s in ("greedy", "sample")
+    }
     try:
         for sampling in procs:
             reference(sampling)
@@ -141,7 +163,9 @@ def killed_caches(micro_target_dir, reference, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sampling", ["greedy", "sample"])
-def test_sigkilled_regeneration_resumes_from_its_shards_to_the_same_dataset(sampling, micro_target_dir, micro_target, reference, killed_caches, capsys):
+def test_sigkilled_regeneration_resumes_from_its_shards_to_the_same_dataset(
+    sampling, micro_target_dir, micro_target, reference, killed_caches, capsys
+):
     data = {**DATA, "sampling": sampling}
     expected, reference_calls, reference_cache = reference(sampling)
     cache, returncode, log = killed_caches[sampling]
@@ -155,19 +179,33 @@ def test_sigkilled_regeneration_resumes_from_its_shards_to_the_same_dataset(samp
     if sampling == "sample":
         # The check below has teeth: batch 3 sampled from a freshly seeded generator differs from the
         # reference, so equal rows after the resume mean the saved generator state was restored.
-        fresh = regenerate.generate_responses(micro_target, reference_calls[KILL_AFTER][0], max_new_tokens=DATA["response_tokens"],
-                                              eos_token_id=micro_target.tokenizer.eos_token_id, pad_token_id=micro_target.tokenizer.pad_token_id,
-                                              sample=True, temperature=1.0, generator=torch.Generator().manual_seed(SEED))
+        fresh = regenerate.generate_responses(
+            micro_target,
+            reference_calls[KILL_AFTER][0],
+            max_new_tokens=DATA["response_tokens"],
+            eos_token_id=micro_target.tokenizer.eos_token_id,
+            pad_token_id=micro_target.tokenizer.pad_token_id,
+            sample=True,
+            temperature=1.0,
+            generator=torch.Generator().manual_seed(SEED),
+        )
         assert not torch.equal(fresh, reference_calls[KILL_AFTER][1])
 
     capsys.readouterr()
     recorder = Recorder()
     dataset = regenerate_recorded(micro_target, micro_target_dir, cache, data, recorder)
-    assert f"[dflash2] regeneration of train: resuming at batch {KILL_AFTER}/{NUM_BATCHES} from {partial}\n" in capsys.readouterr().out
+    assert (
+        f"[dflash2] regeneration of train: resuming at batch {KILL_AFTER}/{NUM_BATCHES} from {partial}\n"
+        in capsys.readouterr().out
+    )
     assert_generated_only(recorder, reference_calls, KILL_AFTER)
     assert_same_rows(dataset, expected)
     # Same final folder name as the uninterrupted run, and the partial folder is gone.
-    assert os.listdir(cache / "data") == os.listdir(reference_cache / "data") == [partial.name[1:].removesuffix(".partial")]
+    assert (
+        os.listdir(cache / "data")
+        == os.listdir(reference_cache / "data")
+        == [partial.name[1:].removesuffix(".partial")]
+    )
 
 
 @pytest.mark.slow

@@ -15,17 +15,23 @@ from dflash2.errors import DFlash2Error
 from dflash2.target import TargetModel, default_target_layer_ids, validate_target_layer_ids
 
 VOCAB = 256
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16)
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16
+)
 
 
 def _configs():
     return {
         "qwen3": Qwen3Config(num_hidden_layers=6, **COMMON),
         "qwen3_5": transformers.Qwen3_5TextConfig(
-            num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-            **COMMON),
+            num_hidden_layers=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            **COMMON,
+        ),
         "llama": LlamaConfig(num_hidden_layers=5, **COMMON),
     }
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import subprocess_env
 from transformers import AutoTokenizer
 
-from conftest import subprocess_env
 from dflash2.corpus import Document, load_documents
 from dflash2.errors import DFlash2Error
 from dflash2.tokenizer import (
@@ -58,9 +58,20 @@ HAND_STRINGS = [
 
 # Code point ranges to sample from: ASCII, Latin, Greek/Cyrillic, combining
 # marks, Arabic, Devanagari, CJK, Hangul, private use, emoji, astral planes.
-RANGES = [(0x00, 0x7F), (0x80, 0x24F), (0x370, 0x4FF), (0x300, 0x36F), (0x600, 0x6FF),
-          (0x900, 0x97F), (0x4E00, 0x9FFF), (0xAC00, 0xD7A3), (0xE000, 0xF8FF),
-          (0xFE00, 0xFFFF), (0x1F300, 0x1FAFF), (0x10000, 0x10FFFF)]
+RANGES = [
+    (0x00, 0x7F),
+    (0x80, 0x24F),
+    (0x370, 0x4FF),
+    (0x300, 0x36F),
+    (0x600, 0x6FF),
+    (0x900, 0x97F),
+    (0x4E00, 0x9FFF),
+    (0xAC00, 0xD7A3),
+    (0xE000, 0xF8FF),
+    (0xFE00, 0xFFFF),
+    (0x1F300, 0x1FAFF),
+    (0x10000, 0x10FFFF),
+]
 
 
 def random_strings(n: int, seed: int = 0) -> list[str]:
@@ -108,7 +119,7 @@ def test_special_tokens_have_fixed_ids(tok):
     assert (tok.eos_token_id, tok.pad_token_id, tok.mask_token_id) == (0, 1, 2)
     assert tok.bos_token is None and tok.bos_token_id is None
     assert len(tok) == VOCAB
-    assert tok.encode(MASK_TOKEN) == [2] and 2 < len(tok)
+    assert tok.encode(MASK_TOKEN) == [2] and len(tok) > 2
     assert tok.convert_ids_to_tokens([0, 1, 2]) == SPECIAL_TOKENS
 
 
@@ -139,13 +150,21 @@ def test_training_is_deterministic_across_processes(tok, train_texts, tmp_path):
     """Rust hash maps are seeded per process; the merges must not depend on that."""
     corpus = tmp_path / "texts.json"
     corpus.write_text(json.dumps(train_texts))
-    code = ("import hashlib, json, sys; from dflash2.tokenizer import train_bpe_tokenizer; "
-            "t = train_bpe_tokenizer(json.load(open(sys.argv[1])), vocab_size=int(sys.argv[2]), "
-            "max_train_bytes=int(sys.argv[3])); "
-            "print(hashlib.sha256(t.backend_tokenizer.to_str().encode()).hexdigest())")
+    code = (
+        "import hashlib, json, sys; from dflash2.tokenizer import train_bpe_tokenizer; "
+        "t = train_bpe_tokenizer(json.load(open(sys.argv[1])), vocab_size=int(sys.argv[2]), "
+        "max_train_bytes=int(sys.argv[3])); "
+        "print(hashlib.sha256(t.backend_tokenizer.to_str().encode()).hexdigest())"
+    )
     env = subprocess_env()
-    out = subprocess.run([sys.executable, "-c", code, str(corpus), str(VOCAB), str(TRAIN_BYTES)],
-                         env=env, cwd=REPO, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(corpus), str(VOCAB), str(TRAIN_BYTES)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert out.strip() == hashlib.sha256(tok.backend_tokenizer.to_str().encode()).hexdigest()
 
 
@@ -166,8 +185,9 @@ def test_training_errors():
 
 def test_encode_documents_separates_documents_with_eos(tok):
     texts = ["def f():\n    pass\n", "x = 1", "", "emoji 😀"]
-    ids = encode_documents(tok, [Document(f"k{i}", t, "dir") for i, t in enumerate(texts)],
-                           batch_size=3, show_progress=False)
+    ids = encode_documents(
+        tok, [Document(f"k{i}", t, "dir") for i, t in enumerate(texts)], batch_size=3, show_progress=False
+    )
     assert ids.dtype == np.int32 and ids.ndim == 1
     expected = [i for t in texts for i in [*tok.encode(t), tok.eos_token_id]]
     assert ids.tolist() == expected

@@ -14,9 +14,21 @@ from dflash2.tokenizer import tokenizer_fingerprint, train_bpe_tokenizer
 
 VOCAB = 300
 
-DRAFTER_SETTINGS = dict(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
-                        block_size=4, use_local_conv=False, conv_kernel_size=2, conv_group_size=8, use_selector=False,
-                        selector_rank=8, selector_top_k=4, mask_token_id=None)
+DRAFTER_SETTINGS = dict(
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    block_size=4,
+    use_local_conv=False,
+    conv_kernel_size=2,
+    conv_group_size=8,
+    use_selector=False,
+    selector_rank=8,
+    selector_top_k=4,
+    mask_token_id=None,
+)
 
 
 @pytest.fixture(scope="module")

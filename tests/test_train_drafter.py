@@ -22,7 +22,10 @@ pytestmark = pytest.mark.slow
 def compose_run(tmp_path: Path, overrides: list[str], name: str = "run"):
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("train", overrides=[f"paths.output_dir={tmp_path / name}", f"paths.cache_dir={tmp_path / 'cache'}", *overrides])
+        cfg = compose(
+            "train",
+            overrides=[f"paths.output_dir={tmp_path / name}", f"paths.cache_dir={tmp_path / 'cache'}", *overrides],
+        )
     GlobalHydra.instance().clear()
     return cfg
 
@@ -37,7 +40,9 @@ def trained_run(tmp_path_factory, micro_train_overrides):
     tmp = tmp_path_factory.mktemp("train")
     # Checkpoints at steps 2, 4 and 6: resuming at 2 (not half-way) is where a loader that fixes
     # its start step when built would replay batches (Lightning iterates it again mid-run).
-    summary = run_from_config(compose_run(tmp, [*micro_train_overrides, "callbacks.model_checkpoint.every_n_train_steps=2"]))
+    summary = run_from_config(
+        compose_run(tmp, [*micro_train_overrides, "callbacks.model_checkpoint.every_n_train_steps=2"])
+    )
     return tmp, summary
 
 
@@ -46,7 +51,12 @@ def test_default_run_writes_every_artifact(trained_run):
     run = tmp / "run"
     assert (run / "target" / "config.json").exists()
     assert (run / "drafter" / "config.json").exists() and (run / "drafter" / "model.safetensors").exists()
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt", "step000002.ckpt", "step000004.ckpt", "step000006.ckpt"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "last.ckpt",
+        "step000002.ckpt",
+        "step000004.ckpt",
+        "step000006.ckpt",
+    ]
     report = summary["drafter"]
     assert report["steps"] == 6
     assert len(report["heldout_acc_per_position"]) == 7
@@ -112,7 +122,10 @@ def test_fast_dev_run_of_the_real_configs(tmp_path, micro_train_overrides, draft
         ("ckpt_path=/nonexistent/x.ckpt", "no checkpoint file"),
         ("drafter.block_size=32", "block_size=32 is larger than data.response_tokens=24"),
         ("drafter.num_anchors=24", "num_anchors=24 but .* at most 23 anchor positions"),
-        ("data.prompt_max_tokens=1010", r"1010 \+ data.response_tokens=24 = 1034 exceeds the target's context of 1024 positions"),
+        (
+            "data.prompt_max_tokens=1010",
+            r"1010 \+ data.response_tokens=24 = 1034 exceeds the target's context of 1024 positions",
+        ),
     ],
 )
 def test_bad_input_is_a_clear_error_and_writes_no_drafter(tmp_path, micro_train_overrides, override, needle):
@@ -123,12 +136,17 @@ def test_bad_input_is_a_clear_error_and_writes_no_drafter(tmp_path, micro_train_
     assert not (tmp_path / "run" / "drafter").exists()
 
 
-@pytest.mark.parametrize("damage,needle", [
-    ("missing", "does not exist"),
-    ("no_weights", "has no weights"),
-    ("truncated", "corrupted or truncated"),
-])
-def test_a_missing_or_damaged_target_is_a_one_line_error_and_writes_nothing(tmp_path, micro_train_overrides, micro_target_dir, damage, needle):
+@pytest.mark.parametrize(
+    "damage,needle",
+    [
+        ("missing", "does not exist"),
+        ("no_weights", "has no weights"),
+        ("truncated", "corrupted or truncated"),
+    ],
+)
+def test_a_missing_or_damaged_target_is_a_one_line_error_and_writes_nothing(
+    tmp_path, micro_train_overrides, micro_target_dir, damage, needle
+):
     import shutil
 
     target = tmp_path / "target"
@@ -143,7 +161,9 @@ def test_a_missing_or_damaged_target_is_a_one_line_error_and_writes_nothing(tmp_
         run_from_config(compose_run(tmp_path, [*micro_train_overrides, f"target.path={target}"]))
     assert "\n" not in str(err.value)
     run = tmp_path / "run"
-    assert not any((run / name).exists() for name in ("drafter", "checkpoints", "target", "train_summary.json", "run_summary.json"))
+    assert not any(
+        (run / name).exists() for name in ("drafter", "checkpoints", "target", "train_summary.json", "run_summary.json")
+    )
 
 
 def test_a_malformed_dataset_line_names_file_and_line_and_writes_nothing(tmp_path, micro_train_overrides):
@@ -151,7 +171,9 @@ def test_a_malformed_dataset_line_names_file_and_line_and_writes_nothing(tmp_pat
     broken.write_text('{"text": "def f():\\n    return 1"}\n{"text": "x = 2"}\n{"text": "unterminated\n')
     source = f"data.sources=[{{kind:hf,path:{broken}}}]"
     with pytest.raises(DFlash2Error, match=r"broken.jsonl.*line 3") as err:
-        run_from_config(compose_run(tmp_path, [*micro_train_overrides, source, f"paths.cache_dir={tmp_path / 'own_cache'}"]))
+        run_from_config(
+            compose_run(tmp_path, [*micro_train_overrides, source, f"paths.cache_dir={tmp_path / 'own_cache'}"])
+        )
     assert "\n" not in str(err.value)
     assert not any((tmp_path / "run" / name).exists() for name in ("drafter", "checkpoints", "train_summary.json"))
     assert not list((tmp_path / "own_cache").glob("data/*"))  # no dataset (or partial one) cached
@@ -195,12 +217,17 @@ def test_nan_loss_stops_with_a_message_and_keeps_the_last_good_checkpoint(tmp_pa
     assert not (tmp_path / "run" / "drafter").exists()
 
 
-@pytest.mark.parametrize("field,value,needle", [
-    ("vocab_size", 999, "vocab 999"),
-    ("target_layer_ids", [0, 1, 7], "taps"),
-    ("target_tokenizer_fingerprint", "0123456789abcdef", "tokenizer fingerprint 0123456789abcdef vs target"),
-])
-def test_init_from_a_drafter_of_another_target_is_refused(trained_run, micro_train_overrides, tmp_path, field, value, needle):
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("vocab_size", 999, "vocab 999"),
+        ("target_layer_ids", [0, 1, 7], "taps"),
+        ("target_tokenizer_fingerprint", "0123456789abcdef", "tokenizer fingerprint 0123456789abcdef vs target"),
+    ],
+)
+def test_init_from_a_drafter_of_another_target_is_refused(
+    trained_run, micro_train_overrides, tmp_path, field, value, needle
+):
     from dflash2.drafter import save_drafter
 
     tmp, _ = trained_run
@@ -219,12 +246,26 @@ def _truncated_copy(src: Path, dest: Path) -> Path:
     return dest
 
 
-@pytest.mark.parametrize("make,needle", [
-    (lambda run, tmp: _truncated_copy(run / "checkpoints" / "last.ckpt", tmp / "half.ckpt"), "truncated or not a checkpoint"),
-    (lambda run, tmp: (tmp / "notes.ckpt").write_text("not a checkpoint") and tmp / "notes.ckpt", "truncated or not a checkpoint"),
-    (lambda run, tmp: torch.save({"weights": torch.zeros(2)}, tmp / "other.ckpt") or tmp / "other.ckpt", "not a dflash2 drafter training checkpoint"),
-])
-def test_a_broken_or_foreign_ckpt_path_is_refused_before_any_work(trained_run, micro_train_overrides, tmp_path, monkeypatch, make, needle):
+@pytest.mark.parametrize(
+    "make,needle",
+    [
+        (
+            lambda run, tmp: _truncated_copy(run / "checkpoints" / "last.ckpt", tmp / "half.ckpt"),
+            "truncated or not a checkpoint",
+        ),
+        (
+            lambda run, tmp: (tmp / "notes.ckpt").write_text("not a checkpoint") and tmp / "notes.ckpt",
+            "truncated or not a checkpoint",
+        ),
+        (
+            lambda run, tmp: torch.save({"weights": torch.zeros(2)}, tmp / "other.ckpt") or tmp / "other.ckpt",
+            "not a dflash2 drafter training checkpoint",
+        ),
+    ],
+)
+def test_a_broken_or_foreign_ckpt_path_is_refused_before_any_work(
+    trained_run, micro_train_overrides, tmp_path, monkeypatch, make, needle
+):
     import dflash2.training.train_drafter as train_drafter_mod
 
     tmp, _ = trained_run
@@ -244,7 +285,9 @@ def test_resuming_with_another_drafter_config_names_the_field(trained_run, micro
     tmp, _ = trained_run
     ckpt = tmp / "run" / "checkpoints" / "last.ckpt"
     with pytest.raises(DFlash2Error, match="another drafter config .*num_hidden_layers: checkpoint 1 vs now 2") as err:
-        run_from_config(compose_run(tmp_path, [*micro_train_overrides, "drafter.num_hidden_layers=2", f"ckpt_path={ckpt}"]))
+        run_from_config(
+            compose_run(tmp_path, [*micro_train_overrides, "drafter.num_hidden_layers=2", f"ckpt_path={ckpt}"])
+        )
     assert "\n" not in str(err.value)
     assert not (tmp_path / "run" / "drafter").exists()
 
@@ -254,13 +297,24 @@ def _raise_oom(*args, **kwargs):
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (GPU 0; 79.11 GiB total capacity)")
 
 
-@pytest.mark.parametrize("where,needle", [
-    ("training_step", r"out of GPU memory during drafter training; lower one of data.batch_size=4, drafter.num_anchors=6, "
-                      r"data.response_tokens=24.*bf16-mixed.*accumulate_grad_batches.*ckpt_path=last"),
-    ("regenerate_split", r"out of GPU memory during regeneration of training data by the target; lower one of "
-                         r"data.generation_batch_size=8"),
-])
-def test_gpu_out_of_memory_names_the_knobs_and_writes_no_drafter(micro_train_overrides, tmp_path, monkeypatch, where, needle):
+@pytest.mark.parametrize(
+    "where,needle",
+    [
+        (
+            "training_step",
+            r"out of GPU memory during drafter training; lower one of data.batch_size=4, drafter.num_anchors=6, "
+            r"data.response_tokens=24.*bf16-mixed.*accumulate_grad_batches.*ckpt_path=last",
+        ),
+        (
+            "regenerate_split",
+            r"out of GPU memory during regeneration of training data by the target; lower one of "
+            r"data.generation_batch_size=8",
+        ),
+    ],
+)
+def test_gpu_out_of_memory_names_the_knobs_and_writes_no_drafter(
+    micro_train_overrides, tmp_path, monkeypatch, where, needle
+):
     import dflash2.training.train_drafter as train_drafter_mod
     from dflash2.training.drafter_module import DrafterTrainingModule
 
@@ -276,13 +330,15 @@ def test_gpu_out_of_memory_names_the_knobs_and_writes_no_drafter(micro_train_ove
 
 def test_trained_run_exports_and_reloads_with_identical_drafts_and_tau(trained_run, micro_target_dir, tmp_path):
     """Issue 5 round trip on a real (micro) training run: train -> export -> load -> same drafts, same τ."""
+    from dflash2.decoding import speculative_generate
     from dflash2.export import export_drafter
-    from dflash2.spec import speculative_generate
     from dflash2.target import TargetModel
 
     tmp, _ = trained_run
     run = tmp / "run"
-    out = export_drafter(run / "checkpoints" / "last.ckpt", tmp_path / "export", dtype=torch.float32, target=str(micro_target_dir))
+    out = export_drafter(
+        run / "checkpoints" / "last.ckpt", tmp_path / "export", dtype=torch.float32, target=str(micro_target_dir)
+    )
     exported = load_drafter(out)
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     original = DFlashDrafter(DrafterConfig.from_dict(ckpt["dflash2"]["drafter_config"]))

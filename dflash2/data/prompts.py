@@ -25,7 +25,9 @@ class PromptBatch:
     keys: list[str]
 
 
-def code_prompt_batches(documents, tokenizer, *, num_prompts: int, min_tokens: int, max_tokens: int, batch_size: int, seed: int) -> list[PromptBatch]:
+def code_prompt_batches(
+    documents, tokenizer, *, num_prompts: int, min_tokens: int, max_tokens: int, batch_size: int, seed: int
+) -> list[PromptBatch]:
     """Draw `num_prompts` file-prefix prompts in equal-length batches.
 
     Documents shorter than a batch's drawn length are skipped for that batch;
@@ -35,7 +37,9 @@ def code_prompt_batches(documents, tokenizer, *, num_prompts: int, min_tokens: i
     if num_prompts <= 0:
         return []
     if min_tokens < 1 or max_tokens < min_tokens:
-        raise DFlash2Error(f"data.prompt_min_tokens={min_tokens} / prompt_max_tokens={max_tokens}: need 1 <= min <= max")
+        raise DFlash2Error(
+            f"data.prompt_min_tokens={min_tokens} / prompt_max_tokens={max_tokens}: need 1 <= min <= max"
+        )
     rng = np.random.default_rng(seed)
     documents = list(documents)
     if not documents:
@@ -67,10 +71,11 @@ def code_prompt_batches(documents, tokenizer, *, num_prompts: int, min_tokens: i
                 keys.append(documents[i].key)
         if len(rows) < n:
             if length == min_tokens:
-                raise DFlash2Error(f"no document has at least data.prompt_min_tokens={min_tokens} tokens; lower it or add corpus sources")
+                raise DFlash2Error(
+                    f"no document has at least data.prompt_min_tokens={min_tokens} tokens; lower it or add corpus sources"
+                )
             max_tokens = max(min_tokens, length - 1)  # no document this long: draw shorter prompts
             continue
         batches.append(PromptBatch(np.asarray(rows, dtype=np.int64), keys))
         made += n
     return batches
-

@@ -32,6 +32,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+
 import torch
 from tqdm.auto import tqdm
 
@@ -96,7 +97,17 @@ def generation_settings(data: dict, split: str, num_prompts: int, seed: int) -> 
 
 
 @torch.no_grad()
-def generate_responses(target, prompt_ids: torch.Tensor, *, max_new_tokens: int, eos_token_id: int, pad_token_id: int, sample: bool, temperature: float, generator: torch.Generator | None = None) -> torch.Tensor:
+def generate_responses(
+    target,
+    prompt_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    sample: bool,
+    temperature: float,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Plain KV-cached decoding of a batch of equal-length prompts.
 
     `target` is a TargetModel; prompt_ids: (n, P) int64. Returns (n, max_new_tokens) int64 where tokens
@@ -125,12 +136,16 @@ def generate_responses(target, prompt_ids: torch.Tensor, *, max_new_tokens: int,
         cache, logits = out.past_key_values, out.logits[:, -1]
     result = torch.stack(tokens, dim=1)
     if result.shape[1] < max_new_tokens:
-        pad = torch.full((result.shape[0], max_new_tokens - result.shape[1]), pad_token_id, dtype=result.dtype, device=device)
+        pad = torch.full(
+            (result.shape[0], max_new_tokens - result.shape[1]), pad_token_id, dtype=result.dtype, device=device
+        )
         result = torch.cat([result, pad], dim=1)
     return result.cpu()
 
 
-def regenerate_split(target, data: dict, *, split: str, num_prompts: int, seed: int, cache_dir: Path, target_id: str, device: str = "cpu"):
+def regenerate_split(
+    target, data: dict, *, split: str, num_prompts: int, seed: int, cache_dir: Path, target_id: str, device: str = "cpu"
+):
     """Build or load the regenerated dataset of one corpus split; returns a `datasets.Dataset`.
 
     `data` is the plain dict of the `data` config group; `target` a TargetModel.
@@ -140,10 +155,20 @@ def regenerate_split(target, data: dict, *, split: str, num_prompts: int, seed: 
     if data["sampling"] not in ("greedy", "sample"):
         raise DFlash2Error(f"data.sampling={data['sampling']!r}: use 'greedy' or 'sample'")
     sources = data["sources"]
-    split_kw = {"validation_fraction": float(data["validation_fraction"]), "heldout_fraction": float(data["heldout_fraction"])}
+    split_kw = {
+        "validation_fraction": float(data["validation_fraction"]),
+        "heldout_fraction": float(data["heldout_fraction"]),
+    }
     settings = generation_settings(data, split, num_prompts, seed)
     key = hashlib.sha256(
-        json.dumps({"target": target_fingerprint(target_id), "corpus": corpus_fingerprint(sources, split, **split_kw), "settings": settings}, sort_keys=True).encode()
+        json.dumps(
+            {
+                "target": target_fingerprint(target_id),
+                "corpus": corpus_fingerprint(sources, split, **split_kw),
+                "settings": settings,
+            },
+            sort_keys=True,
+        ).encode()
     ).hexdigest()[:16]
     final = Path(cache_dir) / "data" / f"{split}-{key}"
     if (final / "dataset_info.json").exists():
@@ -154,19 +179,31 @@ def regenerate_split(target, data: dict, *, split: str, num_prompts: int, seed: 
         raise DFlash2Error(f"target {target_id} has no tokenizer files; regeneration needs one next to the weights")
     docs = load_documents(sources, split, **split_kw)
     if not docs:
-        raise DFlash2Error(f"the corpus split '{split}' is empty for data.sources={sources}; add sources or change the split fractions")
+        raise DFlash2Error(
+            f"the corpus split '{split}' is empty for data.sources={sources}; add sources or change the split fractions"
+        )
     batches = code_prompt_batches(
-        docs, tokenizer, num_prompts=num_prompts, min_tokens=int(data["prompt_min_tokens"]), max_tokens=int(data["prompt_max_tokens"]),
-        batch_size=int(data["generation_batch_size"]), seed=seed,
+        docs,
+        tokenizer,
+        num_prompts=num_prompts,
+        min_tokens=int(data["prompt_min_tokens"]),
+        max_tokens=int(data["prompt_max_tokens"]),
+        batch_size=int(data["generation_batch_size"]),
+        seed=seed,
     )
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos, pad = (
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+    )
     target.model.to(device)
     prompts = [torch.from_numpy(b.input_ids) for b in batches]
     store = ShardStore(final.parent / f".{final.name}.partial")
     responses = _generate_resumable(target, prompts, data, store, split=split, seed=seed, eos=eos, pad=pad)
     rows = _dataset_rows(prompts, responses, eos, pad)
     if not any(any(m) for m in rows["loss_mask"]):
-        raise DFlash2Error(f"regeneration of split '{split}' produced no response tokens (the target emits EOS at once?); check the target")
+        raise DFlash2Error(
+            f"regeneration of split '{split}' produced no response tokens (the target emits EOS at once?); check the target"
+        )
     dataset = datasets.Dataset.from_dict(rows)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -179,7 +216,9 @@ def regenerate_split(target, data: dict, *, split: str, num_prompts: int, seed: 
     return datasets.load_from_disk(str(final))
 
 
-def _generate_resumable(target, prompts: list[torch.Tensor], data: dict, store: ShardStore, *, split: str, seed: int, eos: int, pad: int) -> list[torch.Tensor]:
+def _generate_resumable(
+    target, prompts: list[torch.Tensor], data: dict, store: ShardStore, *, split: str, seed: int, eos: int, pad: int
+) -> list[torch.Tensor]:
     """Responses (n, R) int64 for every prompt batch (n, P) int64, in order.
 
     Batches that `store` already holds are loaded instead of generated; every
@@ -191,13 +230,22 @@ def _generate_resumable(target, prompts: list[torch.Tensor], data: dict, store: 
     if done:
         # The state after the last saved batch: sampling continues as if never interrupted.
         generator.set_state(done[-1].generator_state)
-        print(f"[dflash2] regeneration of {split}: resuming at batch {len(done)}/{len(prompts)} from {store.folder}", flush=True)
+        print(
+            f"[dflash2] regeneration of {split}: resuming at batch {len(done)}/{len(prompts)} from {store.folder}",
+            flush=True,
+        )
     responses = [shard.response for shard in done]
     steps = range(len(done), len(prompts))
     for i in tqdm(steps, initial=len(done), total=len(prompts), desc=f"regenerating {split} responses", unit="batch"):
         response = generate_responses(
-            target, prompts[i], max_new_tokens=response_len, eos_token_id=eos, pad_token_id=pad,
-            sample=data["sampling"] == "sample", temperature=float(data["temperature"]), generator=generator,
+            target,
+            prompts[i],
+            max_new_tokens=response_len,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            sample=data["sampling"] == "sample",
+            temperature=float(data["temperature"]),
+            generator=generator,
         )
         responses.append(response)
         store.save(Shard(i, prompts[i], response, generator.get_state()))
@@ -222,4 +270,3 @@ def _response_mask(response: list[int], eos: int, pad: int) -> list[int]:
         mask.append(0 if done else 1)
         done = done or t == eos
     return mask
-

@@ -59,7 +59,12 @@ class ShardStore:
         path = self.path(shard.index)
         # atomic_torch_save creates the folder on every save: a concurrent run of the same split (one per
         # DDP rank) that finished first removes it; its final dataset then exists and our later shards are moot.
-        payload = {"index": shard.index, "prompt": shard.prompt, "response": shard.response, "generator_state": shard.generator_state}
+        payload = {
+            "index": shard.index,
+            "prompt": shard.prompt,
+            "response": shard.response,
+            "generator_state": shard.generator_state,
+        }
         try:
             atomic_torch_save(payload, path)
         except FileNotFoundError:
@@ -97,14 +102,24 @@ class ShardStore:
         try:
             d = torch.load(path, map_location="cpu", weights_only=True)
             shard = Shard(int(d["index"]), d["prompt"], d["response"], d["generator_state"])
-            valid = (shard.index == index and torch.equal(shard.prompt, prompt)
-                     and shard.response.dtype == torch.int64 and tuple(shard.response.shape) == (prompt.shape[0], response_tokens)
-                     and shard.generator_state.dtype == torch.uint8)
+            valid = (
+                shard.index == index
+                and torch.equal(shard.prompt, prompt)
+                and shard.response.dtype == torch.int64
+                and tuple(shard.response.shape) == (prompt.shape[0], response_tokens)
+                and shard.generator_state.dtype == torch.uint8
+            )
         except Exception as e:  # a truncated or foreign file: any error means "regenerate this batch"
-            print(f"[dflash2] discarding unreadable regeneration shard {path} ({type(e).__name__}); it is regenerated", flush=True)
+            print(
+                f"[dflash2] discarding unreadable regeneration shard {path} ({type(e).__name__}); it is regenerated",
+                flush=True,
+            )
             return None
         if not valid:
-            print(f"[dflash2] discarding regeneration shard {path}: made for other prompts or settings; it is regenerated", flush=True)
+            print(
+                f"[dflash2] discarding regeneration shard {path}: made for other prompts or settings; it is regenerated",
+                flush=True,
+            )
             return None
         return shard
 

@@ -68,7 +68,7 @@ class DrafterConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "DrafterConfig":
+    def from_dict(cls, d: dict) -> DrafterConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -76,8 +76,11 @@ class DrafterConfig:
                 f"drafter config has unknown field(s) {unknown[:5]}; "
                 f"remove them or fix the spelling (known: {sorted(known)})"
             )
-        required = {f.name for f in dataclasses.fields(cls)
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        required = {
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        }
         missing = sorted(required - set(d))
         if missing:
             raise DFlash2Error(f"drafter config is missing required field(s) {missing}; add them")
@@ -86,44 +89,63 @@ class DrafterConfig:
         cfg.validate()
         return cfg
 
-    def validate(self) -> "DrafterConfig":
+    def validate(self) -> DrafterConfig:
         """Raise DFlash2Error naming the first inconsistent field and the fix."""
 
         def need(ok: bool, msg: str):
             if not ok:
                 raise DFlash2Error(f"drafter config: {msg}")
 
-        for name in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "max_position_embeddings", "vocab_size", "target_hidden_size"):
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+            "vocab_size",
+            "target_hidden_size",
+        ):
             v = getattr(self, name)
             need(isinstance(v, int) and v > 0, f"{name}={v!r} must be a positive integer")
-        need(self.num_attention_heads % self.num_key_value_heads == 0,
-             f"num_attention_heads={self.num_attention_heads} must be a multiple of "
-             f"num_key_value_heads={self.num_key_value_heads} (GQA)")
+        need(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+            f"num_key_value_heads={self.num_key_value_heads} (GQA)",
+        )
         need(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
         need(self.rms_norm_eps > 0, f"rms_norm_eps={self.rms_norm_eps} must be > 0")
         need(self.rope_theta > 0, f"rope_theta={self.rope_theta} must be > 0")
         need(len(self.target_layer_ids) > 0, "target_layer_ids is empty; list at least one target layer")
-        need(all(i >= 0 for i in self.target_layer_ids),
-             f"target_layer_ids={self.target_layer_ids} must be >= 0")
+        need(all(i >= 0 for i in self.target_layer_ids), f"target_layer_ids={self.target_layer_ids} must be >= 0")
         if self.num_target_layers is not None:
-            need(max(self.target_layer_ids) < self.num_target_layers,
-                 f"target_layer_ids={self.target_layer_ids} must be < num_target_layers="
-                 f"{self.num_target_layers}")
-        need(isinstance(self.block_size, int) and self.block_size >= 2,
-             f"block_size={self.block_size} must be >= 2 (anchor + at least one drafted token)")
-        need(0 <= self.mask_token_id < self.vocab_size,
-             f"mask_token_id={self.mask_token_id} must lie in [0, vocab_size={self.vocab_size}); "
-             f"pick an unused id of the target vocab")
+            need(
+                max(self.target_layer_ids) < self.num_target_layers,
+                f"target_layer_ids={self.target_layer_ids} must be < num_target_layers={self.num_target_layers}",
+            )
+        need(
+            isinstance(self.block_size, int) and self.block_size >= 2,
+            f"block_size={self.block_size} must be >= 2 (anchor + at least one drafted token)",
+        )
+        need(
+            0 <= self.mask_token_id < self.vocab_size,
+            f"mask_token_id={self.mask_token_id} must lie in [0, vocab_size={self.vocab_size}); "
+            f"pick an unused id of the target vocab",
+        )
         if self.use_local_conv:
-            need(1 <= self.conv_kernel_size <= self.block_size,
-                 f"conv_kernel_size={self.conv_kernel_size} must be in [1, block_size={self.block_size}]")
-            need(self.conv_group_size > 0 and self.hidden_size % self.conv_group_size == 0,
-                 f"hidden_size={self.hidden_size} must be divisible by "
-                 f"conv_group_size={self.conv_group_size}")
+            need(
+                1 <= self.conv_kernel_size <= self.block_size,
+                f"conv_kernel_size={self.conv_kernel_size} must be in [1, block_size={self.block_size}]",
+            )
+            need(
+                self.conv_group_size > 0 and self.hidden_size % self.conv_group_size == 0,
+                f"hidden_size={self.hidden_size} must be divisible by conv_group_size={self.conv_group_size}",
+            )
         if self.use_selector:
             need(self.selector_rank > 0, f"selector_rank={self.selector_rank} must be > 0")
-            need(1 <= self.selector_top_k <= self.vocab_size,
-                 f"selector_top_k={self.selector_top_k} must be in [1, vocab_size={self.vocab_size}]")
+            need(
+                1 <= self.selector_top_k <= self.vocab_size,
+                f"selector_top_k={self.selector_top_k} must be in [1, vocab_size={self.vocab_size}]",
+            )
         return self

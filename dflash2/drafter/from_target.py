@@ -25,9 +25,13 @@ def drafter_config_for_target(settings: dict, target) -> DrafterConfig:
     if mask_id is None and target.tokenizer is not None:
         mask_id = target.tokenizer.mask_token_id
     if mask_id is None:
-        raise DFlash2Error("the target's tokenizer has no mask token; set drafter.mask_token_id to an unused id inside the target vocab")
+        raise DFlash2Error(
+            "the target's tokenizer has no mask token; set drafter.mask_token_id to an unused id inside the target vocab"
+        )
     if not 0 <= int(mask_id) < target.vocab_size:
-        raise DFlash2Error(f"mask_token_id={mask_id} is outside the target vocab [0, {target.vocab_size}); pick an unused id below {target.vocab_size}")
+        raise DFlash2Error(
+            f"mask_token_id={mask_id} is outside the target vocab [0, {target.vocab_size}); pick an unused id below {target.vocab_size}"
+        )
     heads = int(settings["num_attention_heads"])
     rope_theta = settings.get("rope_theta") or _target_rope_theta(tcfg)
     config = DrafterConfig(
@@ -74,9 +78,13 @@ def check_drafter_matches_target(config: DrafterConfig, target) -> None:
         problems.append(f"taps {config.target_layer_ids} but the target has {target.num_layers} layers")
     recorded = config.target_tokenizer_fingerprint
     if recorded and target.tokenizer is not None and tokenizer_fingerprint(target.tokenizer) != recorded:
-        problems.append(f"tokenizer fingerprint {recorded} vs target {tokenizer_fingerprint(target.tokenizer)}: same ids mean other tokens")
+        problems.append(
+            f"tokenizer fingerprint {recorded} vs target {tokenizer_fingerprint(target.tokenizer)}: same ids mean other tokens"
+        )
     if problems:
-        raise DFlash2Error(f"drafter was trained for another target ({'; '.join(problems)}); use the target it was trained with or train a new drafter")
+        raise DFlash2Error(
+            f"drafter was trained for another target ({'; '.join(problems)}); use the target it was trained with or train a new drafter"
+        )
 
 
 def _target_rope_theta(tcfg) -> float:

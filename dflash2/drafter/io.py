@@ -31,8 +31,12 @@ def hf_config(cfg: DrafterConfig, dtype: torch.dtype | None = None) -> dict:
     """The config.json dict for ``cfg`` (z-lab / vLLM fields + our ``dflash2`` section)."""
     dflash = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
     if cfg.is_v2:
-        dflash.update(conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size,
-                      selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k)
+        dflash.update(
+            conv_kernel_size=cfg.conv_kernel_size,
+            conv_group_size=cfg.conv_group_size,
+            selector_rank=cfg.selector_rank,
+            selector_top_k=cfg.selector_top_k,
+        )
     out = {
         "architectures": ["DFlash2DraftModel" if cfg.is_v2 else "DFlashDraftModel"],
         "model_type": "qwen3",
@@ -64,8 +68,14 @@ def hf_config(cfg: DrafterConfig, dtype: torch.dtype | None = None) -> dict:
     return out
 
 
-def save_drafter(drafter: DFlashDrafter, out_dir, *, dtype: torch.dtype | None = None, extra_config: dict | None = None,
-                 extra_files: dict[str, str] | None = None):
+def save_drafter(
+    drafter: DFlashDrafter,
+    out_dir,
+    *,
+    dtype: torch.dtype | None = None,
+    extra_config: dict | None = None,
+    extra_files: dict[str, str] | None = None,
+):
     """Write ``out_dir/{config.json, model.safetensors}`` atomically.
 
     Everything is written into a temp folder beside ``out_dir`` and renamed into
@@ -123,7 +133,9 @@ def _config_from_hf(cfg: dict, weights: dict, path: Path) -> DrafterConfig:
     hidden, heads = int(_need(cfg, "hidden_size", path)), int(_need(cfg, "num_attention_heads", path))
     theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta"))
     if theta is None:  # never guess: a wrong RoPE base fails silently (§7)
-        raise DFlash2Error(f"{path / CONFIG_NAME} has no rope_theta / rope_parameters.rope_theta; add the target's value")
+        raise DFlash2Error(
+            f"{path / CONFIG_NAME} has no rope_theta / rope_parameters.rope_theta; add the target's value"
+        )
     fc = weights.get("fc.weight")
     if fc is None:
         raise DFlash2Error(f"{path / WEIGHTS_NAME} has no 'fc.weight'; not a DFlash drafter export")
@@ -151,11 +163,14 @@ def _config_from_hf(cfg: dict, weights: dict, path: Path) -> DrafterConfig:
     )
     if conv is not None:
         taps = int(dc.get("conv_kernel_size", conv.shape[1]))
-        d.update(conv_kernel_size=taps,
-                 conv_group_size=int(dc.get("conv_group_size", hidden // (proj.shape[0] // (2 * taps)))))
+        d.update(
+            conv_kernel_size=taps,
+            conv_group_size=int(dc.get("conv_group_size", hidden // (proj.shape[0] // (2 * taps)))),
+        )
     if book is not None:
-        d.update(selector_rank=int(dc.get("selector_rank", book.shape[1])),
-                 selector_top_k=int(dc.get("selector_top_k", 16)))
+        d.update(
+            selector_rank=int(dc.get("selector_rank", book.shape[1])), selector_top_k=int(dc.get("selector_top_k", 16))
+        )
     return DrafterConfig.from_dict(d)
 
 

@@ -12,7 +12,7 @@ State-dict keys are exactly the export names of §7 (+ §3 conv/selector keys).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -147,8 +147,9 @@ class DecoderLayer(nn.Module):
         return h + conv(y, 1, delta, self.block_size)  # post-conv on its output
 
     def forward(self, h, cos, sin, ctx_k, ctx_v, mask):
-        h = self._sublayer(h, self.input_layernorm, self.attention_conv,
-                           lambda x: self.self_attn(x, cos, sin, ctx_k, ctx_v, mask))
+        h = self._sublayer(
+            h, self.input_layernorm, self.attention_conv, lambda x: self.self_attn(x, cos, sin, ctx_k, ctx_v, mask)
+        )
         return self._sublayer(h, self.post_attention_layernorm, self.mlp_conv, self.mlp)
 
 
@@ -180,7 +181,7 @@ class ContextCache:
                 store[i] = t
 
     @torch.no_grad()
-    def append(self, drafter: "DFlashDrafter", new_context, positions, num_valid=None):
+    def append(self, drafter: DFlashDrafter, new_context, positions, num_valid=None):
         """new_context (N, l, d) fused context (``drafter.fuse_context``), positions (N, l)
         absolute positions, num_valid (N,) long: how many of the l entries are real for
         each row (default all). Row n's entries are written at slots lengths[n]..;
@@ -192,8 +193,7 @@ class ContextCache:
             self.lengths = torch.zeros(N, dtype=torch.long, device=dev)
             cfg = drafter.config
             for store in (self.k, self.v):
-                store.extend(new_context.new_zeros(N, 0, cfg.num_key_value_heads, cfg.head_dim)
-                             for _ in drafter.layers)
+                store.extend(new_context.new_zeros(N, 0, cfg.num_key_value_heads, cfg.head_dim) for _ in drafter.layers)
         self._reserve(N, self.slots + l)
         rows = torch.arange(N, device=dev)[:, None]  # (N, 1)
         idx = self.lengths[:, None] + torch.arange(l, device=dev)  # (N, l) per-row offsets
@@ -222,7 +222,8 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.candidate_selector = (
             CandidateSelector(c.vocab_size, c.hidden_size, c.selector_rank, c.selector_top_k)
-            if c.use_selector else None
+            if c.use_selector
+            else None
         )
         self.reset_parameters()
 
@@ -318,4 +319,3 @@ class DFlashDrafter(nn.Module):
         q = torch.softmax(logits / temperature, dim=-1)
         tok = torch.multinomial(q.flatten(0, 1), 1, generator=generator).view(q.shape[:2])
         return tok, q
-

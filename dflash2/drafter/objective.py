@@ -7,12 +7,13 @@ size B, P = B - 1 drafted positions per block, V the target vocabulary.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 
 
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(
+    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw up to `num_anchors` anchor positions per sequence, uniformly without replacement.
 
     An anchor p is eligible when p >= 1 (some context precedes it) and both p
@@ -36,7 +37,9 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
     return anchors.gather(1, order), valid.gather(1, order)
 
 
-def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_labels(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels of the drafted positions: block position k (1..B-1) predicts token anchor + k (no shift).
 
     Returns labels (N, A, P) int64 and label_mask (N, A, P) bool (False past the
@@ -59,7 +62,9 @@ def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor
     return torch.exp(-(k - 1) / gamma)
 
 
-def weighted_block_loss(logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def weighted_block_loss(
+    logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
     """Σ w_k·CE_k / Σ w_k over valid positions. logits (N, A, P, V); weights (P,)."""
     ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
     w = weights.view(1, 1, -1) * label_mask
@@ -97,5 +102,3 @@ def expected_tau_from_accuracies(acc_per_position: torch.Tensor) -> float:
 def anchor_generator(seed: int, step: int) -> torch.Generator:
     """The RNG of one step's anchor draw: a function of (seed, step) only, so resumed runs redraw the same anchors."""
     return torch.Generator().manual_seed((int(seed) * 1_000_003 + int(step)) % (2**63 - 1))
-
-

@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from dflash2.decoding.decoder import DFlashProposer, greedy_generate, speculative_generate
+from dflash2.decoding.sampling import SamplingParams
 from dflash2.errors import DFlash2Error
 from dflash2.eval.prompts import Prompt
-from dflash2.spec.decoder import DFlashProposer, greedy_generate, speculative_generate
-from dflash2.spec.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 FILES = ("results.json", "outputs.jsonl", "results.md", "per_position_acceptance.png", "tau_histogram.png")
@@ -98,8 +98,13 @@ def first_mismatch(target, prompts: list[Prompt], spec: list[list[int]], greedy:
         if s == g:
             continue
         j = next((k for k in range(min(len(s), len(g))) if s[k] != g[k]), min(len(s), len(g)))
-        out = {"prompt_index": i, "token_index": j, "spec_token": s[j] if j < len(s) else None,
-               "greedy_token": g[j] if j < len(g) else None, "logit_margin": None}
+        out = {
+            "prompt_index": i,
+            "token_index": j,
+            "spec_token": s[j] if j < len(s) else None,
+            "greedy_token": g[j] if j < len(g) else None,
+            "logit_margin": None,
+        }
         if out["spec_token"] is not None and out["greedy_token"] is not None:
             ids = torch.tensor([prompts[i].ids + g[:j]], device=target.embed_tokens.weight.device)
             logits = target(ids).logits[0, -1].float()
@@ -109,10 +114,23 @@ def first_mismatch(target, prompts: list[Prompt], spec: list[list[int]], greedy:
 
 
 # ------------------------------------------------------------------ main entry
-def evaluate_acceptance(target, drafter, prompts, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                        max_new_tokens: int = 128, check_lossless: bool | None = None, output_dir=None,
-                        seed: int = 0, eos_token_id="auto", max_context: int | None = None,
-                        settings: dict | None = None, show_progress: bool = True) -> dict:
+def evaluate_acceptance(
+    target,
+    drafter,
+    prompts,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    max_new_tokens: int = 128,
+    check_lossless: bool | None = None,
+    output_dir=None,
+    seed: int = 0,
+    eos_token_id="auto",
+    max_context: int | None = None,
+    settings: dict | None = None,
+    show_progress: bool = True,
+) -> dict:
     """Speculative decoding of ``target`` with ``drafter`` on ``prompts``; returns the results dict.
 
     prompts: list of str (encoded with target.tokenizer), of id lists, or of ``Prompt``.
@@ -128,8 +146,10 @@ def evaluate_acceptance(target, drafter, prompts, *, temperature: float = 0.0, t
     if check_lossless is None:
         check_lossless = params.greedy
     if check_lossless and not params.greedy:
-        raise DFlash2Error(f"check_lossless=true needs temperature=0 (got {temperature}): sampled outputs cannot "
-                           "be compared token by token; leave check_lossless=null")
+        raise DFlash2Error(
+            f"check_lossless=true needs temperature=0 (got {temperature}): sampled outputs cannot "
+            "be compared token by token; leave check_lossless=null"
+        )
     if max_new_tokens < 1:
         raise DFlash2Error(f"max_new_tokens={max_new_tokens} must be >= 1")
     all_prompts = as_prompts(prompts, target.tokenizer)
@@ -142,22 +162,35 @@ def evaluate_acceptance(target, drafter, prompts, *, temperature: float = 0.0, t
     for i, p in enumerate(all_prompts):
         need = len(p.ids) + max_new_tokens + B - 1  # the last verify block reaches this far
         if not p.ids or (limit is not None and need > limit):
-            reason = "empty" if not p.ids else f"{len(p.ids)} prompt tokens + {max_new_tokens} new + {B - 1} draft > {limit}"
+            reason = (
+                "empty" if not p.ids else f"{len(p.ids)} prompt tokens + {max_new_tokens} new + {B - 1} draft > {limit}"
+            )
             log.warning("skipping prompt %d (%s): %s", i, p.source, reason)
             skipped.append({"index": i, "source": p.source, "prompt_tokens": len(p.ids), "reason": reason})
         else:
             kept.append((i, p))
     if not kept:
-        raise DFlash2Error(f"all {len(all_prompts)} prompts were skipped (longer than the context limit {limit} with "
-                           f"max_new_tokens={max_new_tokens}); use shorter prompts or fewer new tokens")
+        raise DFlash2Error(
+            f"all {len(all_prompts)} prompts were skipped (longer than the context limit {limit} with "
+            f"max_new_tokens={max_new_tokens}); use shorter prompts or fewer new tokens"
+        )
 
     records, spec_time = [], 0.0
     bar = tqdm(kept, desc="speculative decoding", unit="prompt", disable=not show_progress)
     for i, p in bar:
         gen = torch.Generator(device=device).manual_seed(int(seed) + i)  # per prompt: reproducible alone
         t0 = time.perf_counter()
-        res = speculative_generate(target, drafter, [p.ids], max_new_tokens=max_new_tokens, temperature=params.temperature,
-                                   top_k=params.top_k, top_p=params.top_p, eos_token_id=eos, generator=gen)
+        res = speculative_generate(
+            target,
+            drafter,
+            [p.ids],
+            max_new_tokens=max_new_tokens,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            eos_token_id=eos,
+            generator=gen,
+        )
         spec_time += time.perf_counter() - t0
         records.append({"index": i, "prompt": p, "ids": res.sequences[0], "accepted": res.accepted[0]})
         bar.set_postfix(tau=f"{acceptance_stats([r['accepted'] for r in records], B)['mean_tau']:.2f}")
@@ -193,10 +226,17 @@ def evaluate_acceptance(target, drafter, prompts, *, temperature: float = 0.0, t
         "target": str(getattr(target, "name_or_path", "")),
         "drafter_version": "dflash2" if drafter.config.is_v2 else "dflash",
         "block_size": B,
-        "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
-        "max_new_tokens": max_new_tokens, "check_lossless": bool(check_lossless), "seed": int(seed),
-        "eos_token_id": eos, "max_context": limit, "num_prompts_given": len(all_prompts),
-        "device": str(device), "dtype": str(target.embed_tokens.weight.dtype).removeprefix("torch."),
+        "temperature": params.temperature,
+        "top_k": params.top_k,
+        "top_p": params.top_p,
+        "max_new_tokens": max_new_tokens,
+        "check_lossless": bool(check_lossless),
+        "seed": int(seed),
+        "eos_token_id": eos,
+        "max_context": limit,
+        "num_prompts_given": len(all_prompts),
+        "device": str(device),
+        "dtype": str(target.embed_tokens.weight.dtype).removeprefix("torch."),
         **(settings or {}),
     }
     if output_dir is not None:
@@ -211,31 +251,50 @@ def write_outputs(out: Path, results: dict, records: list[dict], tokenizer) -> N
     (out / "results.json").write_text(json.dumps(_jsonable(results), indent=2) + "\n")
     with open(out / "outputs.jsonl", "w") as f:
         for r in records:
-            row = {"index": r["index"], "source": r["prompt"].source, "prompt": r["prompt"].text,
-                   "generated_text": tokenizer.decode(r["ids"]) if tokenizer is not None else None,
-                   "generated_ids": r["ids"], "accepted_lengths": r["accepted"],
-                   "tau": sum(a + 1 for a in r["accepted"]) / len(r["accepted"]) if r["accepted"] else None}
+            row = {
+                "index": r["index"],
+                "source": r["prompt"].source,
+                "prompt": r["prompt"].text,
+                "generated_text": tokenizer.decode(r["ids"]) if tokenizer is not None else None,
+                "generated_ids": r["ids"],
+                "accepted_lengths": r["accepted"],
+                "tau": sum(a + 1 for a in r["accepted"]) / len(r["accepted"]) if r["accepted"] else None,
+            }
             if "lossless" in r:
                 row["lossless"] = r["lossless"]
             f.write(json.dumps(row) + "\n")
     (out / "results.md").write_text(markdown_table(results))
-    _plot_bars(out / "per_position_acceptance.png", list(range(1, len(results["per_position_acceptance"]) + 1)),
-               results["per_position_acceptance"], "drafted position k", "acceptance rate",
-               f"Per-position acceptance (mean τ {results['mean_tau']:.2f})", ylim=(0, 1))
+    _plot_bars(
+        out / "per_position_acceptance.png",
+        list(range(1, len(results["per_position_acceptance"]) + 1)),
+        results["per_position_acceptance"],
+        "drafted position k",
+        "acceptance rate",
+        f"Per-position acceptance (mean τ {results['mean_tau']:.2f})",
+        ylim=(0, 1),
+    )
     hist = results["accepted_length_histogram"]
-    _plot_bars(out / "tau_histogram.png", list(range(1, len(hist) + 1)), hist, "τ = accepted + 1 (tokens per step)",
-               "verify steps", f"τ histogram ({results['steps']} steps)")
+    _plot_bars(
+        out / "tau_histogram.png",
+        list(range(1, len(hist) + 1)),
+        hist,
+        "τ = accepted + 1 (tokens per step)",
+        "verify steps",
+        f"τ histogram ({results['steps']} steps)",
+    )
 
 
 def markdown_table(results: dict) -> str:
     s = results["settings"]
     lossless = {None: "not checked", True: "yes", False: "**NO**"}[results["lossless"]]
     rows = [
-        ("target", f"`{s['target']}`"), ("drafter", f"{s['drafter_version']} (block {s['block_size']})"),
+        ("target", f"`{s['target']}`"),
+        ("drafter", f"{s['drafter_version']} (block {s['block_size']})"),
         ("temperature / top-k / top-p", f"{s['temperature']} / {s['top_k']} / {s['top_p']}"),
         ("prompts", f"{results['num_prompts']} evaluated, {results['skipped_prompts']} skipped"),
         ("mean τ (tokens per verify step incl. bonus)", f"{results['mean_tau']:.3f}"),
-        ("verify steps", str(results["steps"])), ("generated tokens", str(results["tokens"])),
+        ("verify steps", str(results["steps"])),
+        ("generated tokens", str(results["tokens"])),
         ("wall time (reference decoder)", f"{results['wall_time_s']:.2f} s ({results['tokens_per_s']:.1f} tok/s)"),
         ("lossless vs greedy", lossless),
     ]
@@ -243,13 +302,23 @@ def markdown_table(results: dict) -> str:
         rows.append(("first mismatch", f"`{json.dumps(results['first_mismatch'])}`"))
     lines = ["# Acceptance evaluation", "", "| metric | value |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows], ""]
     rates = results["per_position_acceptance"]
-    lines += ["## Per-position acceptance", "",
-              "| position k | " + " | ".join(str(k) for k in range(1, len(rates) + 1)) + " |",
-              "|---|" + "---|" * len(rates),
-              "| rate | " + " | ".join(f"{r:.3f}" for r in rates) + " |", ""]
+    lines += [
+        "## Per-position acceptance",
+        "",
+        "| position k | " + " | ".join(str(k) for k in range(1, len(rates) + 1)) + " |",
+        "|---|" + "---|" * len(rates),
+        "| rate | " + " | ".join(f"{r:.3f}" for r in rates) + " |",
+        "",
+    ]
     hist = results["accepted_length_histogram"]
-    lines += ["## Accepted lengths", "", "| accepted | " + " | ".join(str(k) for k in range(len(hist))) + " |",
-              "|---|" + "---|" * len(hist), "| steps | " + " | ".join(str(c) for c in hist) + " |", ""]
+    lines += [
+        "## Accepted lengths",
+        "",
+        "| accepted | " + " | ".join(str(k) for k in range(len(hist))) + " |",
+        "|---|" + "---|" * len(hist),
+        "| steps | " + " | ".join(str(c) for c in hist) + " |",
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -33,14 +33,13 @@ def config_file() -> Path:
 def run(cfg) -> dict:
     """Load drafter, target and prompts from the composed config and evaluate; returns the results dict."""
     import torch
+    from omegaconf import OmegaConf
 
     from dflash2.drafter.io import load_drafter
     from dflash2.eval.acceptance import evaluate_acceptance
     from dflash2.eval.prompts import load_prompts
     from dflash2.oom import EVAL_KNOBS, explain_oom, knob_hints
     from dflash2.target import TargetModel
-
-    from omegaconf import OmegaConf
 
     if OmegaConf.is_missing(cfg, "drafter") or not cfg.drafter:
         raise DFlash2Error("no drafter given; pass drafter=DIR (a folder written by training or save_drafter)")
@@ -50,20 +49,35 @@ def run(cfg) -> dict:
     if not target_path:
         raise DFlash2Error("no target given and the drafter does not record one; pass target=DIR_OR_HUB_ID")
     # The drafter's taps decide which target layers to read; a target with fewer layers fails here.
-    target = TargetModel.from_pretrained(str(target_path), target_layer_ids=list(drafter.config.target_layer_ids),
-                                         dtype=cfg.dtype, device=device)
-    prompts = load_prompts(str(cfg.prompts), target.tokenizer, num_prompts=cfg.num_prompts,
-                           prompt_tokens=int(cfg.prompt_tokens))
+    target = TargetModel.from_pretrained(
+        str(target_path), target_layer_ids=list(drafter.config.target_layer_ids), dtype=cfg.dtype, device=device
+    )
+    prompts = load_prompts(
+        str(cfg.prompts), target.tokenizer, num_prompts=cfg.num_prompts, prompt_tokens=int(cfg.prompt_tokens)
+    )
     # Prompts run one at a time, so memory grows with their length, not their number.
-    with explain_oom("speculative decoding", knob_hints(cfg, EVAL_KNOBS), extra=" (or load the target with dtype=bfloat16)"):
+    with explain_oom(
+        "speculative decoding", knob_hints(cfg, EVAL_KNOBS), extra=" (or load the target with dtype=bfloat16)"
+    ):
         results = evaluate_acceptance(
-            target, drafter, prompts, temperature=float(cfg.temperature), top_k=int(cfg.top_k), top_p=float(cfg.top_p),
-            max_new_tokens=int(cfg.max_new_tokens), check_lossless=cfg.check_lossless, output_dir=cfg.paths.output_dir,
-            seed=int(cfg.seed), max_context=cfg.max_context,
-            settings={"drafter": str(cfg.drafter), "prompts": str(cfg.prompts), "target_path": str(target_path)})
+            target,
+            drafter,
+            prompts,
+            temperature=float(cfg.temperature),
+            top_k=int(cfg.top_k),
+            top_p=float(cfg.top_p),
+            max_new_tokens=int(cfg.max_new_tokens),
+            check_lossless=cfg.check_lossless,
+            output_dir=cfg.paths.output_dir,
+            seed=int(cfg.seed),
+            max_context=cfg.max_context,
+            settings={"drafter": str(cfg.drafter), "prompts": str(cfg.prompts), "target_path": str(target_path)},
+        )
     lossless = {None: "not checked", True: "true", False: "FALSE"}[results["lossless"]]
-    print(f"mean tau {results['mean_tau']:.3f} over {results['steps']} steps, {results['num_prompts']} prompts "
-          f"({results['skipped_prompts']} skipped); lossless {lossless}; results in {cfg.paths.output_dir}")
+    print(
+        f"mean tau {results['mean_tau']:.3f} over {results['steps']} steps, {results['num_prompts']} prompts "
+        f"({results['skipped_prompts']} skipped); lossless {lossless}; results in {cfg.paths.output_dir}"
+    )
     return results
 
 

@@ -31,16 +31,19 @@ class Prompt:
     source: str
 
 
-def load_prompts(spec: str, tokenizer, *, num_prompts: int | None = None, prompt_tokens: int = 64,
-                 chat_template: bool = True) -> list[Prompt]:
+def load_prompts(
+    spec: str, tokenizer, *, num_prompts: int | None = None, prompt_tokens: int = 64, chat_template: bool = True
+) -> list[Prompt]:
     """``spec`` = "heldout" or a path to a .jsonl file -> up to ``num_prompts`` prompts (None = all).
 
     prompt_tokens: length of the heldout file-prefix prompts. Raises DFlash2Error on
     an empty set, a missing/bad file or a missing tokenizer.
     """
     if tokenizer is None:
-        raise DFlash2Error("the target has no tokenizer, so text prompts cannot be encoded; save a tokenizer "
-                           "with the target (save_pretrained) or pass token ids")
+        raise DFlash2Error(
+            "the target has no tokenizer, so text prompts cannot be encoded; save a tokenizer "
+            "with the target (save_pretrained) or pass token ids"
+        )
     if num_prompts is not None and num_prompts < 1:
         raise DFlash2Error(f"num_prompts={num_prompts} must be >= 1 (or null for all)")
     if str(spec) == HELDOUT:
@@ -77,8 +80,9 @@ def jsonl_prompts(path, tokenizer, *, num_prompts: int | None = None, chat_templ
     (or a "messages" list with a user turn) raises DFlash2Error naming the file and line."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise DFlash2Error(f"prompts file {path} not found; pass prompts=heldout or a .jsonl file of "
-                           '{"prompt": ...} lines')
+        raise DFlash2Error(
+            f'prompts file {path} not found; pass prompts=heldout or a .jsonl file of {{"prompt": ...}} lines'
+        )
     out = []
     with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, start=1):
@@ -88,11 +92,17 @@ def jsonl_prompts(path, tokenizer, *, num_prompts: int | None = None, chat_templ
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DFlash2Error(f"{where} is not valid JSON ({e.msg}); each line must be "
-                                   '{"prompt": "..."}') from None
+                raise DFlash2Error(
+                    f'{where} is not valid JSON ({e.msg}); each line must be {{"prompt": "..."}}'
+                ) from None
             messages = _messages(row, where)
-            out.append(Prompt(text=messages[-1]["content"], ids=encode_chat(messages, tokenizer, chat_template),
-                              source=f"{path.name}:{lineno}"))
+            out.append(
+                Prompt(
+                    text=messages[-1]["content"],
+                    ids=encode_chat(messages, tokenizer, chat_template),
+                    source=f"{path.name}:{lineno}",
+                )
+            )
             if num_prompts is not None and len(out) == num_prompts:
                 break
     return out
@@ -105,13 +115,17 @@ def _messages(row, where: str) -> list[dict]:
             raise DFlash2Error(f'{where}: "prompt" must be a non-empty string, got {row["prompt"]!r}')
         return [{"role": "user", "content": row["prompt"]}]
     if isinstance(row, dict) and isinstance(row.get("messages"), list):
-        users = [m for m in row["messages"] if isinstance(m, dict) and m.get("role") == "user"
-                 and isinstance(m.get("content"), str)]
+        users = [
+            m
+            for m in row["messages"]
+            if isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), str)
+        ]
         if not users:
             raise DFlash2Error(f'{where}: "messages" has no user turn with string content')
         return users
-    raise DFlash2Error(f'{where}: expected a JSON object with a "prompt" string (or "messages"), '
-                       f"got {json.dumps(row)[:80]}")
+    raise DFlash2Error(
+        f'{where}: expected a JSON object with a "prompt" string (or "messages"), got {json.dumps(row)[:80]}'
+    )
 
 
 def encode_chat(messages: list[dict], tokenizer, chat_template: bool = True) -> list[int]:

@@ -11,7 +11,7 @@ reader only ever sees the previous complete file or the new complete file.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
@@ -21,7 +21,7 @@ from dflash2.atomic_files import atomic_torch_save
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose saves are atomic on a local filesystem (temp file + fsync + rename)."""
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options")
         if "://" in str(path):  # remote storage (s3://, gs://...): rename is not atomic there; keep Lightning's path

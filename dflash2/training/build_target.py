@@ -67,7 +67,11 @@ WORK_TOKENIZER = "tokenizer.json"
 
 def to_plain(node: Any) -> Any:
     """An OmegaConf node as plain Python containers (other values unchanged)."""
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) or OmegaConf.is_config(node) else node
+    return (
+        OmegaConf.to_container(node, resolve=True)
+        if isinstance(node, DictConfig) or OmegaConf.is_config(node)
+        else node
+    )
 
 
 def target_cache_key(cfg: DictConfig) -> str:
@@ -84,7 +88,10 @@ def target_cache_key(cfg: DictConfig) -> str:
 
 
 def _split_kwargs(cfg: DictConfig) -> dict:
-    return {"validation_fraction": float(cfg.data.validation_fraction), "heldout_fraction": float(cfg.data.heldout_fraction)}
+    return {
+        "validation_fraction": float(cfg.data.validation_fraction),
+        "heldout_fraction": float(cfg.data.heldout_fraction),
+    }
 
 
 def ensure_target(cfg: DictConfig) -> Path | str:
@@ -161,7 +168,10 @@ def _checkpoint_step(path: Path) -> int | None:
     except FileNotFoundError:
         return None
     except Exception as err:  # written atomically, so this needs a damaged disk or a foreign file
-        print(f"[dflash2] ignoring unreadable target-build checkpoint {path} ({type(err).__name__}: {err}); starting over", flush=True)
+        print(
+            f"[dflash2] ignoring unreadable target-build checkpoint {path} ({type(err).__name__}: {err}); starting over",
+            flush=True,
+        )
         return None
 
 
@@ -206,11 +216,18 @@ def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
     train_docs = load_documents(sources, "train", **_split_kwargs(cfg))
     heldout_docs = load_documents(sources, "heldout", **_split_kwargs(cfg))
     if not train_docs or not heldout_docs:
-        raise DFlash2Error(f"corpus {sources} gave {len(train_docs)} train and {len(heldout_docs)} held-out documents; add more sources")
+        raise DFlash2Error(
+            f"corpus {sources} gave {len(train_docs)} train and {len(heldout_docs)} held-out documents; add more sources"
+        )
     print(f"[dflash2] corpus: {len(train_docs)} train / {len(heldout_docs)} held-out documents", flush=True)
 
     tokenizer = _work_tokenizer(
-        work, lambda: train_bpe_tokenizer((d.text for d in train_docs), vocab_size=int(recipe.vocab_size), max_train_bytes=int(recipe.tokenizer_train_bytes))
+        work,
+        lambda: train_bpe_tokenizer(
+            (d.text for d in train_docs),
+            vocab_size=int(recipe.vocab_size),
+            max_train_bytes=int(recipe.tokenizer_train_bytes),
+        ),
     )
     train_tokens = encode_documents(tokenizer, _take_tokens(train_docs, tokenizer, int(recipe.max_train_tokens), seed))
     heldout_tokens = encode_documents(tokenizer, heldout_docs, show_progress=False)
@@ -218,7 +235,11 @@ def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
 
     from transformers import AutoModelForCausalLM
 
-    config = hybrid_target_config(recipe, eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN), pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN))
+    config = hybrid_target_config(
+        recipe,
+        eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN),
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.float()
@@ -227,15 +248,23 @@ def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
 
     steps = int(recipe.max_steps)
     dataset = RandomWindows(train_tokens, int(recipe.seq_len), steps * int(recipe.batch_size), seed)
-    data = ResumableWindowsData(dataset, int(recipe.batch_size), steps)  # batch s = windows [s*B, (s+1)*B), also on resume
-    module = CausalLMPretrainModule(model, float(recipe.lr), float(recipe.weight_decay), int(recipe.warmup_steps), steps)
+    data = ResumableWindowsData(
+        dataset, int(recipe.batch_size), steps
+    )  # batch s = windows [s*B, (s+1)*B), also on resume
+    module = CausalLMPretrainModule(
+        model, float(recipe.lr), float(recipe.weight_decay), int(recipe.warmup_steps), steps
+    )
     every = int(recipe.get("checkpoint_every_steps") or 0)
     callbacks = []
     if every > 0:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         # Only last.ckpt (save_top_k=0), replaced atomically every `every` steps; a fixed name, no -v1 versions.
-        callbacks.append(ModelCheckpoint(dirpath=work, save_top_k=0, save_last=True, every_n_train_steps=every, enable_version_counter=False))
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=work, save_top_k=0, save_last=True, every_n_train_steps=every, enable_version_counter=False
+            )
+        )
     trainer = L.Trainer(
         accelerator=cfg.trainer.get("accelerator", "cpu"),
         devices=1,
@@ -251,7 +280,10 @@ def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
         default_root_dir=str(work),
     )
     oom_hints = knob_hints(cfg, ("target.recipe.batch_size", "target.recipe.seq_len", "target.recipe.hidden_size"))
-    with warnings.catch_warnings(), explain_oom("target pretraining", oom_hints, extra=", then rerun to resume from the last build checkpoint"):
+    with (
+        warnings.catch_warnings(),
+        explain_oom("target pretraining", oom_hints, extra=", then rerun to resume from the last build checkpoint"),
+    ):
         # Lightning warns that a plain DataLoader can't resume mid-epoch; ours restarts at the restored step.
         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
         trainer.fit(module, datamodule=data, ckpt_path=str(resume_from) if resume_step is not None else None)

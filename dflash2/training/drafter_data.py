@@ -27,7 +27,9 @@ class StepSampler(Sampler[int]):
     int or a callable returning the current step, read when iteration starts.
     """
 
-    def __init__(self, dataset_len: int, batch_size: int, total_steps: int, seed: int, start_step: int | Callable[[], int] = 0):
+    def __init__(
+        self, dataset_len: int, batch_size: int, total_steps: int, seed: int, start_step: int | Callable[[], int] = 0
+    ):
         self.n, self.batch_size, self.total_steps, self.seed = dataset_len, batch_size, total_steps, seed
         self._start_step = start_step
 
@@ -68,7 +70,17 @@ def collate_sequences(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
 class DrafterDataModule(L.LightningDataModule):
     """Train / validation loaders over regenerated `datasets.Dataset`s."""
 
-    def __init__(self, train_dataset, val_dataset, *, batch_size: int, total_steps: int, seed: int, pad_id: int, num_workers: int = 0):
+    def __init__(
+        self,
+        train_dataset,
+        val_dataset,
+        *,
+        batch_size: int,
+        total_steps: int,
+        seed: int,
+        pad_id: int,
+        num_workers: int = 0,
+    ):
         super().__init__()
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
         self.batch_size, self.total_steps, self.seed = batch_size, total_steps, seed
@@ -84,7 +96,20 @@ class DrafterDataModule(L.LightningDataModule):
         # Lazy: the trainer restores global_step before iterating, and may iterate again after a
         # shortened resumed epoch; each pass starts at the step reached (see the module docstring).
         sampler = StepSampler(len(self.train_dataset), self.batch_size, self.total_steps, self.seed, self._current_step)
-        return DataLoader(self.train_dataset, batch_size=self.batch_size, sampler=sampler, collate_fn=self._collate, num_workers=self.num_workers, drop_last=False)
+        return DataLoader(
+            self.train_dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            collate_fn=self._collate,
+            num_workers=self.num_workers,
+            drop_last=False,
+        )
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_dataset, batch_size=self.batch_size, shuffle=False, collate_fn=self._collate, num_workers=self.num_workers)
+        return DataLoader(
+            self.val_dataset,
+            batch_size=self.batch_size,
+            shuffle=False,
+            collate_fn=self._collate,
+            num_workers=self.num_workers,
+        )

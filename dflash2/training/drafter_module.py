@@ -13,17 +13,37 @@ import time
 import lightning as L
 import torch
 
-from dflash2.drafter.objective import anchor_generator, block_labels, block_metrics, position_weights, sample_anchors, weighted_block_loss
+from dflash2.drafter.objective import (
+    anchor_generator,
+    block_labels,
+    block_metrics,
+    position_weights,
+    sample_anchors,
+    weighted_block_loss,
+)
 from dflash2.errors import DFlash2Error
-from dflash2.training.schedule import cosine_with_warmup
 from dflash2.training.preflight import drafter_config_differences
+from dflash2.training.schedule import cosine_with_warmup
 
 
 class DrafterTrainingModule(L.LightningModule):
     """Holds the trainable `drafter` (an nn.Module) and a reference to the frozen `target` (a TargetModel)."""
 
-    def __init__(self, drafter: torch.nn.Module, target, *, num_anchors: int, loss_gamma: float, selector_loss_weight: float,
-                 lr: float, weight_decay: float, warmup_ratio: float, total_steps: int, seed: int, target_id: str = ""):
+    def __init__(
+        self,
+        drafter: torch.nn.Module,
+        target,
+        *,
+        num_anchors: int,
+        loss_gamma: float,
+        selector_loss_weight: float,
+        lr: float,
+        weight_decay: float,
+        warmup_ratio: float,
+        total_steps: int,
+        seed: int,
+        target_id: str = "",
+    ):
         super().__init__()
         self.drafter = drafter
         # Kept outside the module tree on purpose: its weights must not enter
@@ -58,8 +78,12 @@ class DrafterTrainingModule(L.LightningModule):
             taps = self.target.tap_features(input_ids)  # (N, L, K*d_t)
         anchors, valid = sample_anchors(loss_mask, self.num_anchors, generator)  # (N, A)
         if not bool(valid.any()):
-            raise DFlash2Error("a batch has no eligible anchor (no two consecutive response tokens); check data.response_tokens and the loss mask")
-        hidden = self.drafter.training_forward(taps, input_ids, self.target.embed_tokens, anchors, valid)  # (N, A, B, d)
+            raise DFlash2Error(
+                "a batch has no eligible anchor (no two consecutive response tokens); check data.response_tokens and the loss mask"
+            )
+        hidden = self.drafter.training_forward(
+            taps, input_ids, self.target.embed_tokens, anchors, valid
+        )  # (N, A, B, d)
         drafted = hidden[:, :, 1:]  # (N, A, P, d): block position k predicts token anchor + k
         logits = self.target.lm_head(drafted)  # (N, A, P, V)
         labels, label_mask = block_labels(input_ids, loss_mask, anchors, valid, self.block_size)
@@ -70,7 +94,9 @@ class DrafterTrainingModule(L.LightningModule):
         if selector is not None:
             anchor_ids = input_ids.gather(1, anchors)  # (N, A)
             flat = lambda t: t.flatten(0, 1)  # noqa: E731  (N, A, ...) -> (N*A, ...)
-            sel_loss, sel_stats = selector.loss(flat(drafted), flat(logits), flat(anchor_ids), flat(labels), flat(label_mask))
+            sel_loss, sel_stats = selector.loss(
+                flat(drafted), flat(logits), flat(anchor_ids), flat(labels), flat(label_mask)
+            )
             out["selector_loss"], out["selector_stats"] = sel_loss, sel_stats
             out["loss"] = ce + self.selector_loss_weight * sel_loss
             with torch.no_grad():
@@ -80,7 +106,11 @@ class DrafterTrainingModule(L.LightningModule):
 
     def _log_block_metrics(self, prefix: str, out: dict, **kw) -> dict:
         metrics = block_metrics(out["predictions"], out["labels"], out["label_mask"])
-        logs = {f"{prefix}/loss": out["loss"].detach(), f"{prefix}/ce": out["ce"].detach(), f"{prefix}/tau_estimate": metrics["tau_estimate"]}
+        logs = {
+            f"{prefix}/loss": out["loss"].detach(),
+            f"{prefix}/ce": out["ce"].detach(),
+            f"{prefix}/tau_estimate": metrics["tau_estimate"],
+        }
         for k, a in enumerate(metrics["acc_per_position"], start=1):
             logs[f"{prefix}/acc_pos{k}"] = a
         if "selector_loss" in out:
@@ -117,7 +147,9 @@ class DrafterTrainingModule(L.LightningModule):
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=self.lr, betas=(0.9, 0.95)
+            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.lr,
+            betas=(0.9, 0.95),
         )
         scheduler = cosine_with_warmup(optimizer, int(self.warmup_ratio * self.total_steps), self.total_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

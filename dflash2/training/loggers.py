@@ -42,7 +42,9 @@ def _netrc_has_wandb() -> bool:
         return False
 
 
-def make_wandb_logger(project: str = "dflash2", name: str | None = None, save_dir: str = ".", mode: str = "auto", **kwargs):
+def make_wandb_logger(
+    project: str = "dflash2", name: str | None = None, save_dir: str = ".", mode: str = "auto", **kwargs
+):
     """A Lightning WandbLogger in the resolved mode (or None when mode is `disabled`)."""
     resolved = wandb_mode(mode)
     if resolved == "disabled":
@@ -50,7 +52,9 @@ def make_wandb_logger(project: str = "dflash2", name: str | None = None, save_di
     try:
         import wandb  # noqa: F401  (Lightning's WandbLogger needs it; fail here with the fix instead)
     except ImportError as err:
-        raise DFlash2Error("logger=wandb needs the wandb package: pip install wandb, or pick logger=csv or logger=tensorboard") from err
+        raise DFlash2Error(
+            "logger=wandb needs the wandb package: pip install wandb, or pick logger=csv or logger=tensorboard"
+        ) from err
     from lightning.pytorch.loggers import WandbLogger
 
     os.environ["WANDB_MODE"] = resolved  # also governs wandb's own subprocess

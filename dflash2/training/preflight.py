@@ -66,11 +66,15 @@ def check_resume_checkpoint(path: str, config: DrafterConfig) -> None:
         ) from e
     meta = ckpt.get("dflash2") if isinstance(ckpt, dict) else None
     if not isinstance(meta, dict) or "drafter_config" not in meta or "state_dict" not in ckpt:
-        raise DFlash2Error(f"ckpt_path={path} is not a dflash2 drafter training checkpoint; pass a .ckpt written by train.py task=drafter")
+        raise DFlash2Error(
+            f"ckpt_path={path} is not a dflash2 drafter training checkpoint; pass a .ckpt written by train.py task=drafter"
+        )
     differ = drafter_config_differences(dict(meta["drafter_config"]), config.to_dict())
     if differ:
-        raise DFlash2Error(f"ckpt_path={path} was trained with another drafter config ({', '.join(differ[:4])}); "
-                           "resume with the run's original target and drafter settings, or start a new run")
+        raise DFlash2Error(
+            f"ckpt_path={path} was trained with another drafter config ({', '.join(differ[:4])}); "
+            "resume with the run's original target and drafter settings, or start a new run"
+        )
 
 
 def drafter_config_differences(saved: dict, now: dict) -> list[str]:

@@ -72,7 +72,11 @@ def instantiate_loggers(cfg: DictConfig) -> list:
 
 
 def instantiate_callbacks(cfg: DictConfig) -> list:
-    return [instantiate_user_facing(node) for node in (cfg.get("callbacks") or {}).values() if node is not None and "_target_" in node]
+    return [
+        instantiate_user_facing(node)
+        for node in (cfg.get("callbacks") or {}).values()
+        if node is not None and "_target_" in node
+    ]
 
 
 def regeneration_device(cfg: DictConfig) -> str:

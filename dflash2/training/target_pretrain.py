@@ -131,7 +131,9 @@ def heldout_cross_entropy(model: torch.nn.Module, windows: torch.Tensor, batch_s
         chunk = chunk.to(device)
         logits = model(input_ids=chunk).logits[:, :-1].float()
         targets = chunk[:, 1:]
-        total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum").item()
+        total += torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+        ).item()
         count += targets.numel()
     return total / count
 

@@ -1,7 +1,7 @@
 """Real τ during training (issue 4, item 3).
 
 Every `every_n_validations` validation runs, decode a few validation prompts with
-the *real* lossless speculative decoder (`dflash2.spec`, T=0) against the frozen
+the *real* lossless speculative decoder (`dflash2.decoding`, T=0) against the frozen
 target, and log the measured mean τ (`val/tau_measured`) next to the estimate
 from per-position accuracies (`val/tau_estimate`). The prompts are the prompt
 parts of the regenerated validation sequences, never the held-out-eval split.
@@ -17,7 +17,7 @@ import time
 import lightning as L
 import torch
 
-from dflash2.spec import speculative_generate
+from dflash2.decoding import speculative_generate
 
 
 class MeasuredTauCallback(L.Callback):
@@ -47,7 +47,11 @@ class MeasuredTauCallback(L.Callback):
         started = time.perf_counter()
         with torch.autocast(device_type=module.device.type, enabled=False):
             result = speculative_generate(
-                target, drafter, prompts, max_new_tokens=self.max_new_tokens, temperature=0.0,
+                target,
+                drafter,
+                prompts,
+                max_new_tokens=self.max_new_tokens,
+                temperature=0.0,
                 eos_token_id=tokenizer.eos_token_id if tokenizer is not None else None,
             )
         drafter.train(was_training)

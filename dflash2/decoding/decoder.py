@@ -27,17 +27,17 @@ Shapes: N rows, P prompt length, B block size, V vocab, K·d concatenated taps.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Protocol
 
 import torch
 
+from dflash2.decoding.sampling import SamplingParams, greedy_accept, point_mass, rejection_accept, sample, warp_probs
+from dflash2.decoding.target_state import rollback, snapshot
 from dflash2.drafter.from_target import check_drafter_matches_target
 from dflash2.drafter.model import ContextCache, DFlashDrafter
 from dflash2.errors import DFlash2Error
-from dflash2.spec.sampling import (SamplingParams, greedy_accept, point_mass, rejection_accept, sample,
-                                   warp_probs)
-from dflash2.spec.target_state import rollback, snapshot
 
 
 # ------------------------------------------------------------------ proposers
@@ -49,8 +49,13 @@ class Proposer(Protocol):
     def add_context(self, taps: torch.Tensor, positions: torch.Tensor, num_valid: torch.Tensor) -> None:
         """taps (N, l, K·d) target features at positions (N, l); row n keeps the first num_valid[n]."""
 
-    def propose(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator | None):
+    def propose(
+        self,
+        anchor_ids: torch.Tensor,
+        anchor_pos: torch.Tensor,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ):
         """anchor_ids, anchor_pos (N,) -> (drafts (N, B-1) long, q (N, B-1, V) fp32 or None).
 
         q is the exact distribution each draft was drawn from (None = argmax drafts, a point mass)."""
@@ -62,9 +67,11 @@ class DFlashProposer:
     def __init__(self, drafter: DFlashDrafter, target):
         check_drafter_matches_target(drafter.config, target)  # vocab / width / depth
         if list(target.target_layer_ids) != list(drafter.config.target_layer_ids):
-            raise DFlash2Error(f"the drafter reads target layers {drafter.config.target_layer_ids} but the target taps "
-                               f"{target.target_layer_ids}; load the target with target_layer_ids="
-                               f"{drafter.config.target_layer_ids}")
+            raise DFlash2Error(
+                f"the drafter reads target layers {drafter.config.target_layer_ids} but the target taps "
+                f"{target.target_layer_ids}; load the target with target_layer_ids="
+                f"{drafter.config.target_layer_ids}"
+            )
         self.drafter, self.target = drafter, target
         self.block_size = drafter.config.block_size
         self.cache = ContextCache()
@@ -192,9 +199,18 @@ def greedy_generate(target, prompt_ids, max_new_tokens: int, eos_token_id=None) 
 
 
 @torch.no_grad()
-def speculative_generate(target, drafter, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0,
-                         top_k: int = 0, top_p: float = 1.0, eos_token_id: int | Iterable[int] | None = None,
-                         generator: torch.Generator | None = None) -> SpecResult:
+def speculative_generate(
+    target,
+    drafter,
+    prompt_ids,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_token_id: int | Iterable[int] | None = None,
+    generator: torch.Generator | None = None,
+) -> SpecResult:
     """Lossless speculative decoding of ``target`` with ``drafter`` (a DFlashDrafter or a Proposer).
 
     prompt_ids: (N, P) long tensor or N lists of ids (lengths may differ).
@@ -254,8 +270,9 @@ def speculative_generate(target, drafter, prompt_ids, *, max_new_tokens: int, te
     return SpecResult(seqs, accepted, B)
 
 
-def _accept(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, params: SamplingParams,
-            generator) -> tuple[int, int]:
+def _accept(
+    logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, params: SamplingParams, generator
+) -> tuple[int, int]:
     """One row: logits (B, V) of the verify pass, drafts (B-1,), q (B-1, V) or None -> (accepted, next token)."""
     if params.greedy:
         a, nxt = greedy_accept(logits.argmax(-1), drafts)

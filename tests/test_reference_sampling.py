@@ -11,8 +11,15 @@ scipy is not needed.
 import pytest
 import torch
 
+from dflash2.decoding import (
+    SamplingParams,
+    greedy_accept,
+    point_mass,
+    rejection_accept,
+    speculative_generate,
+    warp_probs,
+)
 from dflash2.errors import DFlash2Error
-from dflash2.spec import SamplingParams, greedy_accept, point_mass, rejection_accept, speculative_generate, warp_probs
 
 V, P, M = 8, 3, 40_000  # vocab, drafted positions, samples of the direct test
 PASS, FAIL = 1e-3, 1e-6  # p-value above PASS: consistent with p; below FAIL: rejected
@@ -70,8 +77,9 @@ def test_warp_probs_temperature_top_k_top_p():
     torch.testing.assert_close(w.sum(-1), torch.ones(3, 5))
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_k=-1),
-                                 dict(top_p=0.0), dict(top_p=1.5)])
+@pytest.mark.parametrize(
+    "bad", [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5)]
+)
 def test_sampling_params_reject_bad_values(bad):
     with pytest.raises(DFlash2Error):
         SamplingParams(**bad)
@@ -110,8 +118,9 @@ def test_point_mass_proposal_for_argmax_drafts(dists):
 def test_equal_p_and_q_accept_everything(dists):
     p, _ = dists
     drafts = _draw(p[:P], 1000, seed=4)
-    a, nxt = rejection_accept(p.expand(1000, -1, -1), p[:P].expand(1000, -1, -1), drafts,
-                              torch.Generator().manual_seed(5))
+    a, nxt = rejection_accept(
+        p.expand(1000, -1, -1), p[:P].expand(1000, -1, -1), drafts, torch.Generator().manual_seed(5)
+    )
     assert (a == P).all()  # p/q = 1: never rejected; the bonus comes from p_P
     assert chi2_pvalue(nxt, p[P]) > PASS
 
@@ -153,8 +162,15 @@ def test_speculative_sampling_follows_the_target_end_to_end(make_spec_target, ma
     p2_given = warp_probs(target(both).logits[:, -1], params)  # (V, V): row x1 -> p(x2 | x1)
     joint = p1[:, None] * p2_given  # (V, V)
 
-    res = speculative_generate(target, drafter, [prompt] * n, max_new_tokens=2, temperature=params.temperature,
-                               top_k=params.top_k, generator=torch.Generator().manual_seed(5))
+    res = speculative_generate(
+        target,
+        drafter,
+        [prompt] * n,
+        max_new_tokens=2,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        generator=torch.Generator().manual_seed(5),
+    )
     out = torch.tensor(res.sequences)  # (n, 2)
     accepted = torch.tensor([acc[0] for acc in res.accepted])
     assert (accepted == 0).any() and (accepted > 0).any()  # both the residual and the accepted path ran

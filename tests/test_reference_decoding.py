@@ -13,8 +13,8 @@ import random
 import pytest
 import torch
 
+from dflash2.decoding import SpecResult, greedy_generate, speculative_generate
 from dflash2.errors import DFlash2Error
-from dflash2.spec import SpecResult, greedy_generate, speculative_generate
 
 KINDS = ["qwen3", "qwen3_5"]
 N_TOKENS = 200

@@ -33,8 +33,9 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
+        if not (
+            isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0
+        ):
             raise DFlash2Error(f"temperature={self.temperature!r} must be a finite number >= 0 (0 = greedy)")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise DFlash2Error(f"top_k={self.top_k!r} must be an integer >= 0 (0 = off)")
@@ -102,8 +103,9 @@ def greedy_accept(target_argmax: torch.Tensor, drafts: torch.Tensor):
     return a, nxt
 
 
-def rejection_accept(p: torch.Tensor, q: torch.Tensor, draft_tokens: torch.Tensor,
-                     generator: torch.Generator | None = None):
+def rejection_accept(
+    p: torch.Tensor, q: torch.Tensor, draft_tokens: torch.Tensor, generator: torch.Generator | None = None
+):
     """T>0 lossless acceptance by sequential rejection sampling (§4).
 
     p: (..., P+1, V) target probabilities at the verify positions (already warped);

@@ -4,10 +4,9 @@ DESIGN §2 (inference step), §4 (lossless verification), §5 (GDN rollback). Th
 Triton runtime reuses the acceptance math here and is tested against this path.
 """
 
-from dflash2.spec.decoder import DFlashProposer, Proposer, SpecResult, greedy_generate, speculative_generate
-from dflash2.spec.sampling import (SamplingParams, greedy_accept, point_mass, rejection_accept, sample,
-                                   warp_probs)
-from dflash2.spec.target_state import CacheSnapshot, crop_attention, restore, rollback, snapshot
+from dflash2.decoding.decoder import DFlashProposer, Proposer, SpecResult, greedy_generate, speculative_generate
+from dflash2.decoding.sampling import SamplingParams, greedy_accept, point_mass, rejection_accept, sample, warp_probs
+from dflash2.decoding.target_state import CacheSnapshot, crop_attention, restore, rollback, snapshot
 
 __all__ = [
     "CacheSnapshot",
