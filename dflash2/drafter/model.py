@@ -24,6 +24,7 @@ from dflash2.drafter.local_conv import BlockLocalConv
 from dflash2.drafter.masks import context_padding_mask, dense_block_mask, flex_block_mask
 from dflash2.drafter.selector import CandidateSelector
 
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
