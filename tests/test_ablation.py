@@ -11,7 +11,8 @@ import pytest
 from conftest import subprocess_env
 
 from dflash2.errors import DFlash2Error
-from dflash2.eval.ablation import (
+from dflash2.eval.ablation import parse_args
+from dflash2.eval.ablation_plan import (
     VARIANTS,
     Run,
     Settings,
@@ -79,6 +80,14 @@ def test_overrides_the_ablation_sets_per_run_are_refused(override):
     assert "\n" not in str(err.value)
 
 
+def test_lists_are_comma_separated_and_overrides_follow_them(tmp_path):
+    settings = parse_args(["--out", str(tmp_path), "--seeds", "2,0", "--variants", "dflash2,dflash", "a.b=1"])
+    assert settings.seeds == [2, 0] and settings.variants == ["dflash2", "dflash"] and settings.overrides == ["a.b=1"]
+    assert parse_args([]).seeds == [0, 1, 2] and parse_args([]).variants == list(VARIANTS)
+    with pytest.raises(DFlash2Error, match="comma-separated"):
+        parse_args(["--seeds", "0 1"])
+
+
 def test_plan_is_every_variant_times_every_seed(tmp_path):
     runs = plan(Settings(out=tmp_path, seeds=[0, 1, 2]))
     assert [(r.variant, r.seed) for r in runs] == [(v, s) for v in VARIANTS for s in (0, 1, 2)]
@@ -127,11 +136,9 @@ def test_the_command_trains_evaluates_and_tabulates_end_to_end_and_resumes(tmp_p
         "eval.ablation",
         f"--out={out}",
         "--variants",
-        "dflash",
-        "dflash2",
+        "dflash,dflash2",
         "--seeds",
-        "0",
-        "1",
+        "0,1",
         "--jobs=2",
         "--num-prompts=2",
         "--max-new-tokens=16",

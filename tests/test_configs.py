@@ -67,7 +67,7 @@ def test_drafter_v1_and_v2_differ_only_in_additions(tmp_path):
 
 def test_ablation_variants_differ_from_v1_only_in_their_switches(tmp_path):
     """The variants of `python -m eval.ablation` (docs/ABLATION.md) are v1 with one switch flipped each."""
-    from dflash2.eval.ablation import VARIANTS
+    from dflash2.eval.ablation_plan import VARIANTS
 
     v1 = _compose(["drafter=dflash"], tmp_path).drafter
     switches = {

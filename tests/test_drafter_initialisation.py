@@ -55,3 +55,20 @@ def test_other_seeds_give_other_weights_and_the_conv_stays_identity():
     kernel = a["layers.0.attention_conv.base_kernel"]
     assert torch.equal(kernel[:, 0], torch.ones_like(kernel[:, 0])) and not kernel[:, 1:].any()
     assert not a["layers.0.attention_conv.kernel_projection.weight"].any()
+
+
+def test_a_fresh_conv_variant_computes_what_fresh_v1_computes_at_the_same_seed():
+    """Identity conv at init + the same backbone: the conv variant starts as the same function as v1."""
+    v1 = DFlashDrafter(tiny(), init_seed=11).eval()
+    conv = DFlashDrafter(tiny(use_local_conv=True), init_seed=11).eval()
+    generator = torch.Generator().manual_seed(0)
+    embed = torch.nn.Embedding(96, 32)
+    args = (
+        torch.randn(2, 12, 32, generator=generator),  # taps: 2 tapped layers x target width 16
+        torch.randint(0, 96, (2, 12), generator=generator),
+        embed,
+        torch.tensor([[3, 7], [1, 6]]),
+        torch.ones(2, 2, dtype=torch.bool),
+    )
+    with torch.no_grad():
+        assert torch.equal(v1.training_forward(*args), conv.training_forward(*args))
