@@ -21,6 +21,7 @@ from dflash2.eval.ablation_plan import (
     record_or_check,
     train_command,
 )
+from dflash2.eval.ablation_runner import run_lock, train_and_evaluate
 from dflash2.eval.ablation_table import markdown, measurements, summarise
 
 REPO = Path(__file__).resolve().parents[1]
@@ -147,6 +148,7 @@ def test_the_command_trains_evaluates_and_tabulates_end_to_end_and_resumes(tmp_p
     ]
     first = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=1500)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "trained 4/4, evaluated 4/4, failed 0" in first.stdout  # the progress display's last line
     table = json.loads((out / "ablation.json").read_text())
     assert [(v["variant"], v["seeds"]) for v in table["variants"]] == [("dflash", [0, 1]), ("dflash2", [0, 1])]
     assert sorted((r["variant"], r["seed"]) for r in table["runs"]) == [
@@ -172,3 +174,13 @@ def test_the_command_trains_evaluates_and_tabulates_end_to_end_and_resumes(tmp_p
     assert "4 of 4 runs already trained and evaluated" in again.stdout
     assert {p: p.stat().st_mtime for p in trained_at} == trained_at
     assert json.loads((out / "ablation.json").read_text())["runs"] == table["runs"]
+
+
+def test_a_run_locked_by_another_process_is_not_started_twice(tmp_path):
+    settings = Settings(out=tmp_path)
+    (run,) = plan(Settings(out=tmp_path, seeds=[0], variants=["dflash"]))
+    with run_lock(run) as held:
+        assert held is not None and held >= 0
+        problem = train_and_evaluate(settings, run, tmp_path / "target")
+    assert "another process is working on" in problem and "\n" not in problem
+    assert not (run.dir / "train.log").exists()  # nothing was started

@@ -158,3 +158,6 @@ def main() -> None:
     except DFlash2Error as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("[ablation] interrupted; run the same command again to resume", file=sys.stderr)
+        sys.exit(130)

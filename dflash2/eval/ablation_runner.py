@@ -15,6 +15,7 @@ import shlex
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from dflash2.errors import DFlash2Error
@@ -42,14 +43,38 @@ def prepare(settings: Settings) -> Path:
     return settings.out / "prepare" / "target"
 
 
-def _call(command: list[str], log: Path, threads: int) -> tuple[int, float]:
+def _call(command: list[str], log: Path, threads: int, keep_open: tuple[int, ...] = ()) -> tuple[int, float]:
+    """Run ``command`` with its output in ``log``; returns (exit status, wall seconds).
+    keep_open: file descriptors the child inherits (the run's lock, see ``run_lock``)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with open(log, "w") as handle:
         handle.write(shlex.join(command) + "\n")
         handle.flush()
-        rc = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=child_env(threads)).returncode
+        env = child_env(threads)
+        rc = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=env, pass_fds=keep_open).returncode
     return rc, time.perf_counter() - started
+
+
+@contextmanager
+def run_lock(run: Run):
+    """An exclusive lock on ``run.dir/.ablation.lock``: yields its file descriptor, or None when another process
+    holds it. The children inherit the descriptor, so the lock outlives a killed ablation process for as long
+    as its orphaned child still trains, and a second ablation never trains the same run beside it. Without
+    ``fcntl`` (Windows) there is no lock."""
+    run.dir.mkdir(parents=True, exist_ok=True)
+    with open(run.dir / ".ablation.lock", "a") as handle:
+        try:
+            import fcntl
+        except ImportError:
+            yield None
+            return
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield -1
+            return
+        yield handle.fileno()
 
 
 def _record_time(run: Run, key: str, seconds: float) -> None:
@@ -61,17 +86,22 @@ def _record_time(run: Run, key: str, seconds: float) -> None:
 
 def train_and_evaluate(settings: Settings, run: Run, target_dir: Path) -> str | None:
     """Train (unless complete) then evaluate (unless done) one run; returns None or a one-line failure."""
-    if not run.trained:
-        rc, seconds = _call(train_command(settings, run, target_dir), run.dir / "train.log", settings.threads_per_run)
-        if rc != 0:
-            return f"{run.name}: training failed (exit {rc}); log {run.dir / 'train.log'}"
-        _record_time(run, "train_seconds", seconds)
-    if not run.evaluated:
-        log = run.dir / f"{settings.eval_name}.log"
-        rc, seconds = _call(eval_command(settings, run, target_dir), log, settings.threads_per_run)
-        if rc != 0:
-            return f"{run.name}: evaluation failed (exit {rc}); log {log}"
-        _record_time(run, f"{settings.eval_name}_seconds", seconds)
+    with run_lock(run) as lock:
+        if lock == -1:
+            return f"{run.name}: another process is working on {run.dir} (its .ablation.lock is held); not started"
+        keep_open = () if lock is None else (lock,)
+        if not run.trained:
+            command, log = train_command(settings, run, target_dir), run.dir / "train.log"
+            rc, seconds = _call(command, log, settings.threads_per_run, keep_open)
+            if rc != 0:
+                return f"{run.name}: training failed (exit {rc}); log {log}"
+            _record_time(run, "train_seconds", seconds)
+        if not run.evaluated:
+            command, log = eval_command(settings, run, target_dir), run.dir / f"{settings.eval_name}.log"
+            rc, seconds = _call(command, log, settings.threads_per_run, keep_open)
+            if rc != 0:
+                return f"{run.name}: evaluation failed (exit {rc}); log {log}"
+            _record_time(run, f"{settings.eval_name}_seconds", seconds)
     return None
 
 
@@ -112,8 +142,9 @@ def execute(settings: Settings, runs: list[Run], target_dir: Path, refresh_s: fl
     )
     failures: list[str] = []
     started, shown, last_print = time.perf_counter(), "", 0.0
-    with ThreadPoolExecutor(max_workers=max(1, settings.jobs)) as pool:
-        futures = {pool.submit(train_and_evaluate, settings, r, target_dir): r for r in todo}
+    pool = ThreadPoolExecutor(max_workers=max(1, settings.jobs))
+    futures = {pool.submit(train_and_evaluate, settings, r, target_dir): r for r in todo}
+    try:
         while futures:
             for future in [f for f in futures if f.done()]:
                 futures.pop(future)
@@ -129,5 +160,10 @@ def execute(settings: Settings, runs: list[Run], target_dir: Path, refresh_s: fl
                 print(f"[ablation {elapsed}] {counts}" + (f" | {doing}" if doing else ""), flush=True)
                 shown, last_print = counts, now
             time.sleep(0.5)
+    except KeyboardInterrupt:
+        # the running children got the same Ctrl-C (one process group); start no queued run after it
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
     print(f"[ablation] {progress(runs, failures)}", flush=True)
     return failures
