@@ -54,7 +54,9 @@ def run_record(settings: Settings, run: Run) -> dict:
     }
 
 
-def header(settings: Settings, argv: list[str], runs: list[Run], done: int) -> dict:
+def header(settings: Settings, argv: list[str], runs: list[Run], records: list[dict]) -> dict:
+    """The settings lines above the table (and their JSON record)."""
+    evaluated = ", ".join(str(n) for n in sorted({r["prompts"] for r in records})) or "none"
     threads = settings.threads_per_run
     determinism = (
         "yes: one CPU thread per training run, and two identical one-thread runs give bitwise identical weights "
@@ -73,19 +75,20 @@ def header(settings: Settings, argv: list[str], runs: list[Run], done: int) -> d
         ("seeds", ", ".join(str(s) for s in settings.seeds) + " (drafter init, batch order, anchors)"),
         (
             "evaluation",
-            f"`python -m eval.acceptance` on {settings.num_prompts} held-out prompts of {settings.prompt_tokens} "
-            f"tokens, {settings.max_new_tokens} new tokens, T=0, lossless check against plain greedy decoding",
+            f"`python -m eval.acceptance` on {settings.num_prompts} held-out prompts asked "
+            f"({evaluated} evaluated per run) of {settings.prompt_tokens} tokens, {settings.max_new_tokens} new "
+            "tokens, the same prompts for every run, T=0, lossless check against plain greedy decoding",
         ),
-        ("runs in the table", f"{done} of {len(runs)}"),
+        ("runs in the table", f"{len(records)} of {len(runs)}"),
     ]
-    record = {"threads_per_run": threads, "deterministic": settings.deterministic}
+    record = {**asdict(settings), "out": str(settings.out), "deterministic": settings.deterministic}
     return {"baseline": BASELINE, "lines": lines, "json": record}
 
 
 def tabulate(settings: Settings, runs: list[Run], argv: list[str]) -> list[dict]:
     records = [run_record(settings, r) for r in runs if r.trained and r.evaluated]
     summary = summarise(records, BASELINE)
-    write_table(settings.out, summary, records, header(settings, argv, runs, len(records)), VARIANTS)
+    write_table(settings.out, summary, records, header(settings, argv, runs, records), VARIANTS)
     return summary
 
 
@@ -109,7 +112,7 @@ def parse_args(argv: list[str]) -> Settings:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="training runs at a time")
     parser.add_argument("--threads-per-run", type=int, default=1, help="CPU threads per run; 1 = bitwise reproducible")
     parser.add_argument("--data-seed", type=int, default=0, help="seed of the shared target build and data")
-    parser.add_argument("--num-prompts", type=int, default=64, help="held-out prompts per evaluation")
+    parser.add_argument("--num-prompts", type=int, default=32, help="held-out prompts asked per evaluation")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=64, help="length of each held-out prompt")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of every training run (trainer.max_steps=800)")

@@ -49,7 +49,7 @@ class Settings:
     jobs: int = 1
     threads_per_run: int = 1
     data_seed: int = 0
-    num_prompts: int = 64
+    num_prompts: int = 32
     max_new_tokens: int = 128
     prompt_tokens: int = 64
     overrides: list[str] = field(default_factory=list)  # Hydra overrides of every `python train.py`
