@@ -1,4 +1,4 @@
-"""The speculative runtime (docs/ARCHITECTURE.md, "Runtime"): the target's own forward over static caches.
+"""The speculative runtime (docs/ARCHITECTURE.md §6): the target's own forward over static caches.
 
 Plain PyTorch, device-agnostic, no Lightning/Hydra. What exists now:
 

@@ -1,4 +1,4 @@
-"""Static caches of the runtime target and the per-row lengths (docs/ARCHITECTURE.md, "Runtime").
+"""Static caches of the runtime target and the per-row lengths (docs/ARCHITECTURE.md §6).
 
 Every forward of a runtime model processes a block of T tokens per row, (N, T), at
 per-row positions: row n's tokens sit at ``lengths[n] .. lengths[n] + T - 1``, so

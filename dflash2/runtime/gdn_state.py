@@ -1,4 +1,4 @@
-"""Gated DeltaNet states with verify / commit (ReplaySSM, docs/ARCHITECTURE.md "Gated DeltaNet rollback").
+"""Gated DeltaNet states with verify / commit (ReplaySSM, docs/ARCHITECTURE.md §5).
 
 A GDN layer carries two states per row: the short causal conv's window
 (the last K-1 pre-conv inputs) and the recurrent state h (H, d_k, d_v) in fp32.

@@ -1,4 +1,4 @@
-"""Per-step pieces of the speculative loop, on tensors (docs/ARCHITECTURE.md, "Lossless verification").
+"""Per-step pieces of the speculative loop, on tensors (docs/ARCHITECTURE.md §4).
 
 So far: T=0 acceptance for a whole batch at once. A verify step feeds each row the
 block ``[anchor, d_1 .. d_P]`` (P = B-1 drafts; the anchor is the last emitted token,

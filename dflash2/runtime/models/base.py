@@ -7,7 +7,7 @@ its layers in ``__init__`` from the HF text config, declares ``KEY_MAP`` (its na
     out = model(tokens, state)          # tokens (N, T) at positions state.lengths + 0..T-1
     state.commit(n)                     # keep n[r] of the T tokens of row r
 
-Taps (docs/ARCHITECTURE.md, "Frozen target taps"): the outputs of the decoder layers
+Taps (docs/ARCHITECTURE.md §2.1): the outputs of the decoder layers
 in ``target_layer_ids`` (HF's ``hidden_states[i + 1]``), concatenated in that order
 into (N, T, K·d), written straight into a caller's buffer when one is given (the
 drafter's context buffer) — no hooks.
