@@ -89,7 +89,7 @@ class KVCache:
         # head h = j·G + g reads K/V head j (HF's repeat_kv order): fold g into the query length
         qg = q.reshape(N, hkv, self.groups * T, D)
         y = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.mask)  # (N, Hkv, G·T, D)
-        return y.view(N, H, T, D)
+        return y.reshape(N, H, T, D)  # reshape: fused kernels may return a non-contiguous layout
 
 
 class DecodeState:
@@ -103,8 +103,8 @@ class DecodeState:
     then ``state.commit(n)``. Built by a model's ``new_state(batch_size, max_len)``.
     """
 
-    def __init__(self, lengths: torch.Tensor, kv: KVCache | None, gdn: GDNState | None, head_dim: int):
-        self.lengths, self.kv, self.gdn, self.head_dim = lengths, kv, gdn, head_dim
+    def __init__(self, lengths: torch.Tensor, kv: KVCache | None, gdn: GDNState | None):
+        self.lengths, self.kv, self.gdn = lengths, kv, gdn
 
     @property
     def batch_size(self) -> int:

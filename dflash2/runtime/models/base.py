@@ -85,7 +85,7 @@ class RuntimeCausalLM(nn.Module):
             )
         gdn = GDNState(n_gdn, batch_size, dtype=weight.dtype, device=device, **self.gdn_dims) if n_gdn else None
         lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
-        return DecodeState(lengths, kv, gdn, self.head_dim)
+        return DecodeState(lengths, kv, gdn)
 
     # ------------------------------------------------------------------- taps
     def set_taps(self, target_layer_ids) -> None:

@@ -27,7 +27,15 @@ PREFIX_ALIASES = (("model.language_model.", "model."), ("language_model.model.",
 # Checkpoint keys that belong to no runtime parameter and are skipped on purpose.
 SKIPPED = re.compile(r"^(model\.visual\.|visual\.|mtp\.)|rotary_emb\.inv_freq$")
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float64": torch.float64,  # for exactness tests
+}
 
 
 def _template_regex(template: str) -> re.Pattern:
@@ -142,9 +150,12 @@ def load_weights(model: torch.nn.Module, folder: str, dtype: torch.dtype, device
 
 
 def parse_dtype(dtype, folder: str) -> torch.dtype:
-    """None/'auto' -> the checkpoint's dtype; a torch.dtype or 'bfloat16'/'float16'/'float32' -> itself."""
+    """None/'auto' -> the checkpoint's dtype; a torch.dtype or a name in DTYPES -> that dtype."""
     if dtype is None or dtype == "auto":
         return checkpoint_dtype(folder)
     if isinstance(dtype, torch.dtype):
         return dtype
-    return DTYPES[str(dtype).removeprefix("torch.")]
+    name = str(dtype).lower().removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not understood; use one of {sorted(DTYPES)} or 'auto'")
+    return DTYPES[name]
