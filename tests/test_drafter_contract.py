@@ -9,6 +9,7 @@ every way engines would read it differently is refused in one line.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -118,10 +119,8 @@ def test_exports_back_bit_identically(zlab_dir, micro_target_dir, tmp_path):
     card = (out / "README.md").read_text()
     assert "5 of 5 layer(s) sliding_attention, window 24" in card and "final_logit_softcapping 20.0" in card
     assert "`num_speculative_tokens` must equal `block_size − 1` = 15" in card
-    # and the export loads back to the same drafter
-    assert load_drafter(out).config == load_drafter(zlab_dir).config.__class__.from_dict(
-        json.loads((out / "config.json").read_text())["dflash2"]
-    )
+    # and loads back as the same drafter (the export records the target it was checked against)
+    assert dataclasses.replace(load_drafter(out).config, target_name_or_path=None) == load_drafter(zlab_dir).config
 
 
 def _edited(zlab_dir, tmp_path, edit):
@@ -187,3 +186,19 @@ def test_hand_edits_of_our_exports_serving_fields_are_refused(zlab_dir, tmp_path
     folder = _edited(exported, tmp_path, edit)
     with pytest.raises(DFlash2Error, match=rf"serving fields give {field}=.* but the dflash2 section has"):
         load_drafter(folder)
+
+
+@pytest.mark.slow
+def test_the_fixture_fine_tunes_with_init_from(zlab_dir, micro_train_overrides, tmp_path):
+    """python train.py drafter.init_from=<the fixture>: trains from it (bf16 folder, fp32 master weights)
+    and saves a drafter with the same contract (block 16, sliding layers, scales, both additions)."""
+    from test_train_drafter import compose_run
+
+    from dflash2.training.run import run_from_config
+
+    run_from_config(compose_run(tmp_path, [*micro_train_overrides, "drafter=dflash2", f"drafter.init_from={zlab_dir}"]))
+    start, trained = load_drafter(zlab_dir), load_drafter(tmp_path / "run" / "drafter")
+    assert trained.config == start.config
+    moved = [k for k, v in trained.state_dict().items() if not torch.equal(v, start.state_dict()[k].float())]
+    assert "fc.weight" in moved and "candidate_selector.successor_codebook" in moved
+    assert all(torch.isfinite(v).all() for v in trained.state_dict().values())

@@ -55,7 +55,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     config = drafter_config_for_target(settings, target)
     if settings.get("init_from"):
         # fp32 master weights whatever the folder stores (published drafters are bf16)
-        drafter = load_drafter(settings["init_from"], dtype=torch.float32)
+        drafter = load_drafter(settings["init_from"], dtype=torch.float32).train()
         check_drafter_matches_target(drafter.config, target)
     else:
         torch.manual_seed(seed)
