@@ -202,3 +202,33 @@ def test_the_fixture_fine_tunes_with_init_from(zlab_dir, micro_train_overrides, 
     moved = [k for k, v in trained.state_dict().items() if not torch.equal(v, start.state_dict()[k].float())]
     assert "fc.weight" in moved and "candidate_selector.successor_codebook" in moved
     assert all(torch.isfinite(v).all() for v in trained.state_dict().values())
+
+
+@pytest.mark.slow
+def test_our_own_drafter_trains_with_the_contract_fields_configured(micro_train_overrides, tmp_path):
+    """The drafter config group sets the window and the scales; defaults stay full attention, no scaling."""
+    from test_train_drafter import compose_run
+
+    from dflash2.training.run import run_from_config
+
+    overrides = [
+        "drafter=dflash2",
+        "drafter.layer_types=[sliding_attention]",
+        "drafter.sliding_window=6",
+        "drafter.input_embedding_scale=2.0",
+        "drafter.output_multiplier=0.5",
+        "drafter.final_logit_softcapping=20.0",
+        "debug=fast_dev_run",
+    ]
+    summary = run_from_config(compose_run(tmp_path, [*micro_train_overrides, *overrides]))
+    cfg = load_drafter(tmp_path / "run" / "drafter").config
+    assert summary["drafter"]["steps"] >= 1
+    assert cfg.layer_kinds == ["sliding_attention"] and cfg.sliding_window == 6
+    assert cfg.serving_scales == {
+        "input_embedding_scale": 2.0,
+        "output_multiplier": 0.5,
+        "final_logit_softcapping": 20.0,
+    }
+    written = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())
+    assert written["is_causal"] is False and written["use_sliding_window"] is True
+    assert written["dflash_config"]["final_logit_softcapping"] == 20.0
