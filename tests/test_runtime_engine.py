@@ -172,6 +172,7 @@ def test_tensor_prompts_and_bad_inputs(runtimes):
     ids = torch.tensor([PROMPTS[0], PROMPTS[0]])  # (N, P) tensor
     res = generate_spec(model, drafter, ids, 5)
     assert res.sequences == [full[0][7:12]] * 2
+    assert generate_spec(model, drafter.drafter, ids, 5).sequences == res.sequences  # a DFlashDrafter is wrapped
     with pytest.raises(DFlash2Error, match="empty"):
         generate_spec(model, drafter, [[1, 2], []], 5)
     with pytest.raises(DFlash2Error, match="no prompts"):

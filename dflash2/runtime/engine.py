@@ -28,6 +28,7 @@ import torch
 from dflash2.decoding.decoder import SpecResult
 from dflash2.decoding.sampling import SamplingParams, warp_probs
 from dflash2.errors import DFlash2Error
+from dflash2.runtime.drafter import RuntimeDrafter
 from dflash2.runtime.step import (
     accept_greedy,
     accept_sampled,
@@ -134,7 +135,8 @@ def generate_ar(
         acc = finish_step(zero, nxt, no_drafts, active=active, eos_token_id=eos, budget=max_new_tokens - count)
         commit(state, acc.commit)  # the fed token (the previous one) enters the caches
         count = emit(out, count, acc.tokens, acc.num_emitted)
-        token, active = torch.where(active, nxt, token), active & ~acc.finished
+        active = active & ~acc.finished
+        token = torch.where(active, nxt, token)
     return _sequences(out, count)
 
 
@@ -155,12 +157,15 @@ def generate_spec(
     """Lossless speculative decoding of the runtime target ``model`` with a runtime ``drafter``.
 
     drafter: a :class:`~dflash2.runtime.drafter.RuntimeDrafter` (or any object with its
-    ``block_size``, ``new_context``, ``append`` and ``propose``). prompts: (N, P) tensor or N id
+    ``block_size``, ``new_context``, ``append`` and ``propose``), or a ``DFlashDrafter`` / drafter
+    folder, wrapped in one. prompts: (N, P) tensor or N id
     lists. At T=0 the output equals :func:`generate_ar` (and plain greedy decoding) token for token;
     at T>0 every token follows the target's warped distribution. argmax_drafts: at T>0 draft the
     T=0 drafts and verify them as point masses (no q over the vocabulary at all).
     """
     params = SamplingParams(float(temperature), int(top_k), float(top_p))
+    if not hasattr(drafter, "propose"):  # a DFlashDrafter or its folder
+        drafter = RuntimeDrafter(drafter, model)
     B = drafter.block_size
     ids, lengths, state, out, eos = _start(model, prompts, max_new_tokens, eos_token_id, B)
     N = ids.shape[0]
