@@ -181,3 +181,34 @@ def test_tensor_prompts_and_bad_inputs(runtimes):
         generate_ar(model, ids, -1)
     with pytest.raises(DFlash2Error, match="temperature"):
         generate_spec(model, drafter, ids, 5, temperature=-1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_one_host_sync_per_step_on_the_gpu(runtimes, hf_targets, monkeypatch, temperature):
+    """Between two polls of the loop condition, nothing may synchronise with the host: CUDA's sync
+    debug mode raises on any synchronising call (item(), tolist(), nonzero, ...) while a step runs."""
+    import dflash2.runtime.engine as engine
+
+    target, _, full = runtimes["qwen3_5"]
+    model = load_model(hf_targets["qwen3_5"][1], device="cuda", target_layer_ids=TAPS)
+    drafter = RuntimeDrafter(nontrivial_dflash2(spec_drafter(target, 8, v2=True, seed=2)).cuda(), model)
+    polls, poll = [], engine._poll
+
+    def strict_poll(active, lengths):
+        torch.cuda.set_sync_debug_mode(0)  # the one read of the step
+        out = poll(active, lengths)
+        polls.append(out)
+        if out[0]:
+            torch.cuda.set_sync_debug_mode("error")  # the whole next step must run without another
+        return out
+
+    monkeypatch.setattr(engine, "_poll", strict_poll)
+    try:
+        res = generate_spec(model, drafter, PROMPTS, 30, temperature=temperature)
+        ar = generate_ar(model, PROMPTS, 30, temperature=temperature)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(polls) == max(res.steps) + 1 + 30  # spec steps + the final poll, AR: 29 steps + 1
+    if temperature == 0:
+        assert res.sequences == ar == _expected(full, PROMPTS, 30)

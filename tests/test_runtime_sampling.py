@@ -1,7 +1,9 @@
 """T>0 on the runtime (dflash2.runtime.sampling, engine): sparse proposals and lossless sampling.
 
-* The sparse rejection test is the reference ``rejection_accept`` without a dense q: for one
-  generator state both return exactly the same counts and tokens (point masses and k-sparse q).
+* The runtime's rejection sampling is the reference ``rejection_accept`` without a dense q where
+  none is needed and without host syncs: for one generator state both return exactly the same
+  counts and tokens (point masses, k-sparse and dense q); its sync-free ``sample`` draws what
+  ``torch.multinomial`` draws.
 * The selector's sparse sampled path draws what ``CandidateSelector.sample_path`` draws.
 * End to end, chi-square tests like the reference decoder's (tests/test_reference_sampling.py):
   the first three tokens of the runtime's speculative decode (v1 drafter with a dense q, the same
@@ -17,11 +19,12 @@ from test_reference_sampling import chi2_pvalue
 from test_runtime_drafter import nontrivial_dflash2
 
 from dflash2.decoding import SamplingParams, rejection_accept, warp_probs
+from dflash2.decoding import sample as reference_sample
 from dflash2.drafter.selector import CandidateSelector
 from dflash2.runtime import load_model
 from dflash2.runtime.drafter import RuntimeDrafter
 from dflash2.runtime.engine import generate_ar, generate_spec
-from dflash2.runtime.sampling import Proposal, rejection_accept_sparse, selector_sample_sparse
+from dflash2.runtime.sampling import Proposal, rejection_accept_proposal, sample, selector_sample_sparse
 from dflash2.runtime.step import accept_sampled
 
 V, P, K = 8, 3, 3  # vocab, drafted positions, sparse candidates
@@ -38,12 +41,23 @@ def _sparse_q(M: int, seed: int):
     return p, ids, probs, ids.gather(-1, pick)[..., 0]
 
 
-def test_sparse_rejection_is_the_reference_on_the_densified_q():
+def test_sample_draws_what_multinomial_draws():
+    probs = torch.softmax(2 * torch.randn(3, 40, 50, generator=torch.Generator().manual_seed(0)), -1)
+    probs[0, 0, :45] = 0  # zero-probability tokens are never drawn
+    probs[0, 0] /= probs[0, 0].sum()
+    for seed in range(4):
+        got = sample(probs, torch.Generator().manual_seed(seed))
+        assert torch.equal(got, reference_sample(probs, torch.Generator().manual_seed(seed)))
+    assert (got[0, 0] >= 45).all()
+
+
+def test_rejection_is_the_reference_on_the_densified_q():
     p, ids, probs, drafts = _sparse_q(4000, seed=0)
-    sparse = Proposal(drafts, ids, probs)
-    for proposal in (sparse, Proposal.point_mass(drafts)):
-        got = rejection_accept_sparse(p, proposal.ids, proposal.probs, drafts, torch.Generator().manual_seed(1))
-        ref = rejection_accept(p, proposal.densify(V), drafts, torch.Generator().manual_seed(1))
+    dense = torch.softmax(torch.randn(4000, P, V, generator=torch.Generator().manual_seed(7)), -1)
+    dense_drafts = reference_sample(dense, torch.Generator().manual_seed(8))
+    for proposal in (Proposal(drafts, ids, probs), Proposal(drafts), Proposal(dense_drafts, dense=dense)):
+        got = rejection_accept_proposal(p, proposal, torch.Generator().manual_seed(1))
+        ref = rejection_accept(p, proposal.densify(V), proposal.tokens, torch.Generator().manual_seed(1))
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
         assert set(got[0].tolist()) == set(range(P + 1))  # rejections at every position and full accepts
 
@@ -55,9 +69,8 @@ def test_sparse_rejection_emits_the_target_distribution():
     drafts = ids.expand(M, -1, -1).gather(
         -1, torch.multinomial(probs[0], M, replacement=True, generator=torch.Generator().manual_seed(3)).T[..., None]
     )[..., 0]
-    a, nxt = rejection_accept_sparse(
-        p.expand(M, -1, -1), ids.expand(M, -1, -1), probs.expand(M, -1, -1), drafts, torch.Generator().manual_seed(4)
-    )
+    proposal = Proposal(drafts, ids.expand(M, -1, -1), probs.expand(M, -1, -1))
+    a, nxt = rejection_accept_proposal(p.expand(M, -1, -1), proposal, torch.Generator().manual_seed(4))
     first = torch.where(a > 0, drafts[:, 0], nxt)
     assert chi2_pvalue(first, p[0, 0]) > PASS
     q0 = torch.zeros(V).scatter_(0, ids[0, 0], probs[0, 0])

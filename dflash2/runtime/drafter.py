@@ -33,13 +33,13 @@ from types import SimpleNamespace
 
 import torch
 
-from dflash2.decoding.sampling import SamplingParams, sample, warp_probs
+from dflash2.decoding.sampling import SamplingParams, warp_probs
 from dflash2.drafter.from_target import check_drafter_matches_target
 from dflash2.drafter.io import load_drafter
 from dflash2.drafter.model import DFlashDrafter, apply_rope, rope_cos_sin
 from dflash2.errors import DFlash2Error
 from dflash2.runtime.cache import KVCache, StepMeta
-from dflash2.runtime.sampling import Proposal, selector_sample_sparse
+from dflash2.runtime.sampling import Proposal, sample, selector_sample_sparse
 
 
 class DraftContext:

@@ -92,7 +92,7 @@ def _first_token(logits, out, max_new_tokens, params, generator, eos):
     count = emit(out, torch.zeros_like(token), token[:, None], torch.ones_like(token))
     done = count >= max_new_tokens
     if eos is not None:
-        done |= torch.isin(token, eos)
+        done |= (token[:, None] == eos).any(-1)
     return token, count, ~done
 
 

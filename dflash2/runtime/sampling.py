@@ -9,9 +9,11 @@ never need one:
 * only a drafter sampling the full warped vocabulary has a dense q.
 
 :class:`Proposal` carries q in whichever of these forms the drafter produced, and
-:func:`rejection_accept_sparse` is the reference ``rejection_accept`` for the sparse
-form: the same random draws in the same order and the same float operations, so for
+:func:`rejection_accept_proposal` is the reference ``rejection_accept`` for all of
+them: the same random draws in the same order and the same float operations, so for
 one generator state it returns exactly what the reference returns on the densified q.
+Nothing here reads back to the host: :func:`sample` is ``torch.multinomial``'s draw
+without its validation sync.
 
 Shapes: N rows, P = B-1 drafted positions, k candidates per position, V vocabulary.
 """
@@ -22,8 +24,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from dflash2.decoding.sampling import rejection_accept, sample
 
 
 @dataclass
@@ -56,45 +56,57 @@ class Proposal:
         return out.scatter_(-1, sparse.ids, sparse.probs.float())
 
 
-def rejection_accept_sparse(
-    p: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, drafts: torch.Tensor, generator=None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequential rejection sampling with a sparse q (the math of ``decoding.sampling.rejection_accept``).
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """probs (..., V) -> tokens (...) long, one draw per row, with no host sync.
 
-    p (N, P+1, V) warped target probabilities at the verify positions; ids, probs (N, P, k) the sparse
-    q; drafts (N, P) long (drafts[n, i] is among ids[n, i]). Returns (num_accepted (N,) long in
-    [0, P], next_token (N,) long): accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the
-    first rejection draw from norm(max(0, p_i − q_i)); after a full accept draw the bonus from p_P.
-    The residual is built from p_a with the k probabilities subtracted at their ids, never a dense q.
+    ``torch.multinomial(probs, 1)`` draws argmax(probs / E) with E ~ Exp(1) i.i.d. (the exponential
+    race, P(argmax = x) = probs[x] / Σ probs), but first reads max/min/sum of probs back to the host
+    to validate them: a sync per call. This is the same computation without the validation, hence
+    the same draw for the same generator state (tests check it against the reference ``sample``).
     """
+    race = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / race).argmax(-1)
+
+
+def rejection_accept_proposal(
+    p: torch.Tensor, proposal: Proposal, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """T>0 lossless acceptance of a batch (the math of ``decoding.sampling.rejection_accept``).
+
+    p (N, P+1, V) warped target probabilities at the verify positions; proposal: drafts (N, P) and
+    their q, sparse (ids, probs), dense, or none (argmax drafts: a point mass). Returns
+    (num_accepted (N,) long in [0, P], next_token (N,) long): accept d_i with probability
+    min(1, p_i(d_i) / q_i(d_i)); at the first rejection draw from norm(max(0, p_i − q_i)); after a
+    full accept draw the bonus from p_P. A sparse q is subtracted at its k ids only, never densified.
+    Same random draws in the same order and the same float operations as the reference, so for one
+    generator state the result is the reference's on the densified q; no host sync.
+    """
+    if proposal.dense is None and proposal.ids is None:
+        proposal = Proposal.point_mass(proposal.tokens)
+    drafts, q = proposal.tokens, proposal.dense
     P, V = drafts.shape[-1], p.shape[-1]
     px = p[..., :P, :].gather(-1, drafts[..., None])[..., 0]  # (N, P) p_i(d_i)
-    qx = (probs.float() * (ids == drafts[..., None])).sum(-1)  # (N, P) q_i(d_i): one id matches
+    if q is not None:
+        qx = q.gather(-1, drafts[..., None])[..., 0]  # (N, P) q_i(d_i)
+    else:
+        qx = (proposal.probs.float() * (proposal.ids == drafts[..., None])).sum(-1)  # exactly one id matches
     u = torch.rand(px.shape, generator=generator, device=p.device, dtype=torch.float32)
-    a = (u * qx < px).long().cumprod(dim=-1).sum(dim=-1)  # (N,) accepted prefix, as the reference
+    a = (u * qx < px).long().cumprod(dim=-1).sum(dim=-1)  # (N,) accepted prefix
     p_a = p.float().gather(-2, a[:, None, None].expand(-1, 1, V))[:, 0]  # (N, V)
-    # q at position a; after a full accept (a == P) q is zero there: the residual is p_P itself
-    at = a.clamp(max=max(P - 1, 0))[:, None, None].expand(-1, 1, ids.shape[-1])
-    ids_a = ids.gather(-2, at)[:, 0]  # (N, k)
-    probs_a = probs.float().gather(-2, at)[:, 0] * (a < P)[:, None]
-    resid = p_a.scatter_add(-1, ids_a, -probs_a).clamp_min(0.0)  # p_a − q_a, only k entries change
+    # q at position a; after a full accept (a == P) q is zero there and the residual is p_P itself
+    at, keep = a.clamp(max=max(P - 1, 0))[:, None, None], (a < P)[:, None]
+    if q is not None:
+        resid = p_a - q.float().gather(-2, at.expand(-1, 1, V))[:, 0] * keep
+    else:
+        k = proposal.ids.shape[-1]
+        ids_a = proposal.ids.gather(-2, at.expand(-1, 1, k))[:, 0]  # (N, k)
+        probs_a = proposal.probs.float().gather(-2, at.expand(-1, 1, k))[:, 0] * keep
+        resid = p_a.scatter_add(-1, ids_a, -probs_a)  # p_a − q_a: only k entries change
+    resid = resid.clamp_min(0.0)
     mass = resid.sum(-1, keepdim=True)
     # mass == 0 only when p_a == q_a, where a rejection has probability 0 (rounding): fall back to p
     resid = torch.where(mass > 0, resid / mass.clamp_min(1e-30), p_a)
     return a, sample(resid, generator)
-
-
-def rejection_accept_proposal(p: torch.Tensor, proposal: Proposal, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """T>0 acceptance of a batch: p (N, P+1, V) warped target probabilities -> (num_accepted, next_token).
-
-    Dense q goes through the reference ``rejection_accept``; sparse (and point-mass, the default for a
-    proposal without q) through :func:`rejection_accept_sparse`.
-    """
-    if proposal.dense is not None:
-        return rejection_accept(p, proposal.dense, proposal.tokens, generator)
-    if proposal.ids is None:
-        proposal = Proposal.point_mass(proposal.tokens)
-    return rejection_accept_sparse(p, proposal.ids, proposal.probs, proposal.tokens, generator)
 
 
 @torch.no_grad()
@@ -113,8 +125,8 @@ def selector_sample_sparse(
         sl = slice(pos, pos + 1)
         scores = selector.edge_scores(hidden[:, sl], pred[:, None], cand_ids[:, sl], unary[:, sl])[:, 0]  # (N, k)
         prob = F.softmax(scores / temperature, dim=-1)
-        pick = torch.multinomial(prob, 1, generator=generator)  # (N, 1)
-        pred = cand_ids[:, pos].gather(-1, pick)[:, 0]
+        pick = sample(prob, generator)  # (N,): torch.multinomial's draw, without its sync
+        pred = cand_ids[:, pos].gather(-1, pick[:, None])[:, 0]
         tokens.append(pred)
         probs.append(prob)
     return Proposal(torch.stack(tokens, 1), cand_ids, torch.stack(probs, 1))

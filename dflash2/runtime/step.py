@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash2.decoding.sampling import SamplingParams, sample, warp_probs
-from dflash2.runtime.sampling import Proposal, rejection_accept_proposal
+from dflash2.decoding.sampling import SamplingParams, warp_probs
+from dflash2.runtime.sampling import Proposal, rejection_accept_proposal, sample
 
 
 @dataclass
@@ -86,7 +86,8 @@ def finish_step(
     finished = torch.zeros(N, dtype=torch.bool, device=device)
     eos = eos_token_id if isinstance(eos_token_id, torch.Tensor) else eos_ids(eos_token_id, device)
     if eos is not None:
-        is_eos = torch.isin(tokens, eos) & (idx[None] < n_emit[:, None])
+        # a broadcast compare, not torch.isin: isin sorts (unique) for larger inputs, a host sync on CUDA
+        is_eos = (tokens[..., None] == eos).any(-1) & (idx[None] < n_emit[:, None])
         first_eos = torch.where(is_eos, idx[None], B).amin(dim=1)  # B when there is none
         finished |= first_eos < B
         n_emit = torch.minimum(n_emit, first_eos + 1)
