@@ -328,3 +328,24 @@ def hf_targets(tmp_path_factory):
         model.save_pretrained(folder)
         out[kind] = (model, folder)
     return out
+
+
+def nontrivial_dflash2(drafter, seed: int = 7):
+    """Move a DFlash2 drafter's conv off the identity and its selector off ~argmax (in place).
+
+    At init both are no-ops (identity conv, near-zero pair term): a fresh DFlash2 drafter drafts what
+    v1 drafts, and a test through it would check nothing of its own."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in drafter.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel.add_(0.5 * torch.randn(conv.base_kernel.shape, generator=g))
+                conv.kernel_projection.weight.copy_(0.5 * torch.randn(conv.kernel_projection.weight.shape, generator=g))
+        sel = drafter.candidate_selector
+        for p, std in (
+            (sel.predecessor_codebook, 0.6),
+            (sel.successor_codebook, 0.6),
+            (sel.hidden_projection.weight, 0.2),
+        ):
+            p.copy_(std * torch.randn(p.shape, generator=g))
+    return drafter

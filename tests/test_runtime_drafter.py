@@ -11,7 +11,7 @@ v1 drafters and DFlash2 drafters whose conv and selector are moved off their
 
 import pytest
 import torch
-from conftest import spec_drafter
+from conftest import nontrivial_dflash2, spec_drafter
 
 from dflash2.decoding import DFlashProposer, SamplingParams
 from dflash2.drafter import save_drafter
@@ -23,24 +23,6 @@ PROMPT_LENS = [5, 11, 2, 8]
 # (block tokens whose taps are appended, how many each row keeps): like verify steps of B = 8
 APPENDS = [(8, [3, 1, 8, 2]), (8, [1, 1, 1, 1]), (8, [8, 5, 2, 7])]
 TAPS = [0, 1]
-
-
-def nontrivial_dflash2(drafter, seed: int = 7):
-    """Move a DFlash2 drafter's conv off the identity and its selector off ~argmax (in place)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer in drafter.layers:
-            for conv in (layer.attention_conv, layer.mlp_conv):
-                conv.base_kernel.add_(0.5 * torch.randn(conv.base_kernel.shape, generator=g))
-                conv.kernel_projection.weight.copy_(0.5 * torch.randn(conv.kernel_projection.weight.shape, generator=g))
-        sel = drafter.candidate_selector
-        for p, std in (
-            (sel.predecessor_codebook, 0.6),
-            (sel.successor_codebook, 0.6),
-            (sel.hidden_projection.weight, 0.2),
-        ):
-            p.copy_(std * torch.randn(p.shape, generator=g))
-    return drafter
 
 
 @pytest.fixture(scope="module")

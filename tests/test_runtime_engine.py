@@ -15,8 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import RUNTIME_KINDS, spec_drafter
-from test_runtime_drafter import nontrivial_dflash2
+from conftest import RUNTIME_KINDS, nontrivial_dflash2, spec_drafter
 
 from dflash2.decoding import greedy_generate
 from dflash2.errors import DFlash2Error

@@ -9,8 +9,7 @@ checked once through the engine so its delegation stays correct.
 
 import pytest
 import torch
-from conftest import spec_drafter
-from test_runtime_drafter import nontrivial_dflash2
+from conftest import nontrivial_dflash2, spec_drafter
 
 from dflash2.decoding import greedy_generate
 from dflash2.runtime import load_model

@@ -14,9 +14,8 @@
 
 import pytest
 import torch
-from conftest import build_runtime_hf, spec_drafter
+from conftest import build_runtime_hf, nontrivial_dflash2, spec_drafter
 from test_reference_sampling import chi2_pvalue
-from test_runtime_drafter import nontrivial_dflash2
 
 from dflash2.decoding import SamplingParams, rejection_accept, warp_probs
 from dflash2.decoding import sample as reference_sample
