@@ -293,6 +293,7 @@ def test_config_validation_and_roundtrip():
         dict(layer_types=["full_attention", "causal_attention"]),
         dict(layer_types=["sliding_attention"] * 2),  # no window
         dict(layer_types=["sliding_attention"] * 2, sliding_window=0),
+        dict(sliding_window=8),  # a window no layer reads
         dict(output_multiplier=-1.0),  # would reverse the candidate order
         dict(input_embedding_scale=float("nan")),
         dict(final_logit_softcapping=0.0),  # "no cap" is null

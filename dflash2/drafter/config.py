@@ -41,7 +41,7 @@ class DrafterConfig:
     # "sliding_attention" layers see only keys with |query position - key position| < sliding_window
     # (context and block alike, vLLM's and z-lab's non-causal window); z-lab's DFlash2 drafters use them.
     layer_types: list[str] | None = None
-    sliding_window: int | None = None  # W, read only by sliding_attention layers
+    sliding_window: int | None = None  # W of the sliding_attention layers (None without any)
     # --- serving scales of the published DFlash2 contract (§3.4); defaults = no scaling ---
     input_embedding_scale: float = 1.0  # block embeddings are multiplied by it
     output_multiplier: float = 1.0  # drafter logits are multiplied by it, then
@@ -190,12 +190,14 @@ class DrafterConfig:
         )
         unknown = sorted(set(kinds) - set(LAYER_KINDS))
         need(not unknown, f"layer_types has {unknown}; use {list(LAYER_KINDS)}")
-        if self.has_sliding_layers or self.sliding_window is not None:
-            w = self.sliding_window
+        w = self.sliding_window
+        if self.has_sliding_layers:
             need(
                 isinstance(w, int) and not isinstance(w, bool) and w >= 1,
                 f"sliding_window={w!r} must be a positive integer when a layer is sliding_attention",
             )
+        else:  # a window no layer reads would be a silent no-op
+            need(w is None, f"sliding_window={w} but no layer is sliding_attention; set layer_types or drop the window")
         for name in ("input_embedding_scale", "output_multiplier"):
             v = getattr(self, name)
             # > 0: a negative multiplier would reverse the candidate order that engines take before scaling
