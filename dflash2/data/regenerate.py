@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from dflash2.corpus import corpus_fingerprint, load_documents
+from dflash2.corpus import corpus_fingerprint, load_documents, split_kwargs
 from dflash2.data.prompts import code_prompt_batches
 from dflash2.data.shard_store import Shard, ShardStore
 from dflash2.errors import DFlash2Error
@@ -155,10 +155,7 @@ def regenerate_split(
     if data["sampling"] not in ("greedy", "sample"):
         raise DFlash2Error(f"data.sampling={data['sampling']!r}: use 'greedy' or 'sample'")
     sources = data["sources"]
-    split_kw = {
-        "validation_fraction": float(data["validation_fraction"]),
-        "heldout_fraction": float(data["heldout_fraction"]),
-    }
+    split_kw = split_kwargs(data)
     settings = generation_settings(data, split, num_prompts, seed)
     key = hashlib.sha256(
         json.dumps(

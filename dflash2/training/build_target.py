@@ -40,7 +40,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from dflash2.corpus import corpus_fingerprint, load_documents
+from dflash2.corpus import corpus_fingerprint, load_documents, split_kwargs
 from dflash2.errors import DFlash2Error
 from dflash2.oom import explain_oom, knob_hints
 from dflash2.target_recipe import hybrid_target_config
@@ -88,10 +88,7 @@ def target_cache_key(cfg: DictConfig) -> str:
 
 
 def _split_kwargs(cfg: DictConfig) -> dict:
-    return {
-        "validation_fraction": float(cfg.data.validation_fraction),
-        "heldout_fraction": float(cfg.data.heldout_fraction),
-    }
+    return split_kwargs(to_plain(cfg.data))
 
 
 def ensure_target(cfg: DictConfig) -> Path | str:

@@ -11,6 +11,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from dflash2.data.regenerate import regenerate_split
+from dflash2.data.split_record import training_data_record
 from dflash2.drafter.from_target import check_drafter_matches_target, drafter_config_for_target
 from dflash2.drafter.io import load_drafter, save_drafter
 from dflash2.drafter.model import DFlashDrafter
@@ -58,6 +59,8 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     else:
         torch.manual_seed(seed)
         drafter = DFlashDrafter(config)
+    # Saved with the drafter (and its checkpoints): evaluation draws held-out prompts from this split.
+    drafter.config.training_data = training_data_record(data, seed)
     check_blocks_fit_the_data(drafter.config, int(settings["num_anchors"]), data)
     check_sequences_fit_the_context(data, config.max_position_embeddings)
     resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
