@@ -196,6 +196,14 @@ def resolved_sources(sources) -> list[dict]:
     ]
 
 
+def source_files(source: Mapping) -> list[tuple[str, Path]]:
+    """(key, path) of every file a stdlib or dir source would read, sorted by key, without reading them."""
+    (spec,) = _normalize_sources([source])
+    if spec["kind"] == "hf":
+        raise DFlash2Error("source_files lists the files of stdlib and dir sources; an hf source has rows, not files")
+    return _list_files(spec)
+
+
 def split_kwargs(data: Mapping) -> dict:
     """The split settings of a ``data`` config (a plain mapping), as keyword arguments of the
     functions here; a config written before near-duplicate grouping gets the default threshold."""

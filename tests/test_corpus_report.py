@@ -36,6 +36,20 @@ def test_report_lists_every_heldout_document_and_passes(family_dir, tmp_path, ca
     assert report["clusters"]["with_several_documents"] == len(families)  # one cluster per family
     assert all(row["similarity"] <= 0.5 and 0 <= row["exact_jaccard"] < 0.5 for row in report["heldout"])
     assert all(row["key"] in out and row["nearest_train"] in out for row in report["heldout"])
+    assert report["key_split_leaks"]["documents"] > 0  # splitting by key alone scatters the families
+
+
+def test_histogram_separates_near_copies_from_unrelated_documents(family_dir):
+    root, families = family_dir
+    dist = corpus_report.split_report([{"kind": "dir", "path": str(root), "name": "fam"}], histogram=True)[
+        "similarity_distribution"
+    ]
+    bins = dist["highest_similarity_histogram"]
+    assert sum(b["documents"] for b in bins if b["from"] >= 0.5) == 4 * len(families)  # every copy has a sibling
+    assert sum(b["documents"] for b in bins if b["to"] <= 0.2) == 100  # the unrelated files have none
+    n = 4 * len(families) + 100
+    assert dist["documents"] == n and dist["all_pairs"] == n * (n - 1) // 2
+    assert dist["all_pairs_percentiles"]["50"] < 0.1
 
 
 def test_report_flags_the_old_key_split(family_dir, monkeypatch, capsys):
