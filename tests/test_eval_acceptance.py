@@ -10,7 +10,7 @@ from itertools import pairwise
 import pytest
 import torch
 
-from dflash2.corpus import load_documents, split_of
+from dflash2.corpus import document_splits, load_documents
 from dflash2.drafter import DFlashDrafter, save_drafter
 from dflash2.errors import DFlash2Error
 from dflash2.eval import acceptance as acceptance_mod
@@ -154,10 +154,11 @@ def test_bad_prompt_files_name_the_line(saved, tmp_path, content, message):
         assert str(path) in str(err.value)
 
 
-def test_heldout_prompts_are_fixed_length_prefixes_of_heldout_files(saved):
+def test_heldout_prompts_are_fixed_length_passages_of_heldout_files(saved):
     prompts = load_prompts("heldout", saved["target"].tokenizer, num_prompts=2, prompt_tokens=16)
     assert len(prompts) == 2 and all(len(p.ids) == 16 for p in prompts)
-    assert all(split_of(p.source) == "heldout" for p in prompts)
+    splits = document_splits([{"kind": "stdlib"}])
+    assert all(splits[p.source] == "heldout" for p in prompts)
     with pytest.raises(DFlash2Error, match="no tokenizer"):
         load_prompts("heldout", None)
     with pytest.raises(DFlash2Error, match="not found"):
