@@ -10,6 +10,7 @@ from conftest import subprocess_env, write_near_copy_families
 
 from dflash2 import corpus_report
 from dflash2.corpus import split_of
+from dflash2.data.split_record import training_data_record
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,3 +85,22 @@ def test_report_command_runs_and_bad_sources_are_one_line(family_dir, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: corpus directory '/no/such/dir' does not exist") and "\n" not in err
+
+
+def test_report_of_a_drafter_uses_its_recorded_split(family_dir, tmp_path, capsys):
+    root, families = family_dir
+    record = training_data_record(
+        {
+            "sources": [{"kind": "dir", "path": str(root), "name": "fam"}],
+            "validation_fraction": 0.1,
+            "heldout_fraction": 0.3,
+            "near_duplicate_threshold": 0.5,
+        },
+        seed=0,
+    )
+    (tmp_path / "config.json").write_text(json.dumps({"dflash2": {"training_data": record}}))
+    corpus_report.main(["report", "--drafter", str(tmp_path), "--json", str(tmp_path / "r.json")])
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["sources"] == record["sources"] and report["settings"]["heldout_fraction"] == 0.3
+    assert sum(v["documents"] for v in report["splits"].values()) == 4 * len(families) + 100
+    assert "OK: no held-out document" in capsys.readouterr().out

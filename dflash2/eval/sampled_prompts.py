@@ -108,7 +108,8 @@ def ood_candidates(record: dict, max_file_bytes: int) -> tuple[list[str], Callab
         path = source.get("path")
         if source.get("kind") == "dir" and path is not None:
             path = site if str(path) == "site-packages" else Path(path).resolve()
-            if path == site or site in path.parents or path in site.parents:
+            # A folder *above* site-packages is fine: dir sources skip site-packages folders.
+            if path == site or site in path.parents:
                 raise DFlash2Error(
                     f"prompts=ood draws site-packages code, but this drafter trained on {path} (data.sources[{i}]); "
                     "pass a prompts file of code it never saw"
