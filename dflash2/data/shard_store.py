@@ -23,6 +23,7 @@ training checkpoints.
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from pathlib import Path
 import torch
 
 from dflash2.atomic_files import atomic_torch_save
+
+log = logging.getLogger(__name__)
 
 SHARD_NAME = re.compile(r"batch-(\d{6})\.pt")
 
@@ -110,17 +113,10 @@ class ShardStore:
                 and shard.generator_state.dtype == torch.uint8
             )
         except Exception as e:  # a truncated or foreign file: any error means "regenerate this batch"
-            print(
-                f"[dflash2] discarding unreadable regeneration shard {path} ({type(e).__name__}); it is regenerated",
-                flush=True,
-            )
+            log.warning(f"discarding unreadable regeneration shard {path} ({type(e).__name__}); it is regenerated")
             return None
         if not valid:
-            print(
-                f"[dflash2] discarding regeneration shard {path}: made for other prompts or settings; "
-                "it is regenerated",
-                flush=True,
-            )
+            log.warning(f"discarding regeneration shard {path}: made for other prompts or settings; it is regenerated")
             return None
         return shard
 

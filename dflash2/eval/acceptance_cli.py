@@ -18,6 +18,7 @@ from dflash2.errors import DFlash2Error
 
 log = logging.getLogger(__name__)
 CONFIG_NAME = "eval_acceptance"
+JOB_LOGGING = "dflash2"
 
 
 def config_file() -> Path:
@@ -74,21 +75,32 @@ def run(cfg) -> dict:
             settings={"drafter": str(cfg.drafter), "prompts": str(cfg.prompts), "target_path": str(target_path)},
         )
     lossless = {None: "not checked", True: "true", False: "FALSE"}[results["lossless"]]
-    print(
+    log.info(
         f"mean tau {results['mean_tau']:.3f} over {results['steps']} steps, {results['num_prompts']} prompts "
         f"({results['skipped_prompts']} skipped); lossless {lossless}; results in {cfg.paths.output_dir}"
     )
     return results
 
 
-def main() -> None:
-    """Entry point: compose the config (with CLI overrides) and run; DFlash2Error -> one line, exit 2."""
-    import hydra
+def register_configs() -> None:
+    """Put the eval config, and the console/log-file setup train.py uses (its defaults list selects
+    it), into Hydra's ConfigStore."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
+    primary = config_file()
+    store = ConfigStore.instance()
+    store.store(name=CONFIG_NAME, node=OmegaConf.load(primary))
+    job_logging = primary.parent / "hydra" / "job_logging" / f"{JOB_LOGGING}.yaml"
+    store.store(group="hydra/job_logging", name=JOB_LOGGING, node=OmegaConf.load(job_logging))
+
+
+def main() -> None:
+    """Entry point: compose the config (with CLI overrides) and run; DFlash2Error -> one line, exit 2."""
+    import hydra
+
     try:
-        ConfigStore.instance().store(name=CONFIG_NAME, node=OmegaConf.load(config_file()))
+        register_configs()
     except DFlash2Error as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
