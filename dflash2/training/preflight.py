@@ -53,8 +53,9 @@ def check_sequences_fit_the_context(data: dict, max_positions: int | None) -> No
         )
 
 
-def check_resume_checkpoint(path: str, config: DrafterConfig) -> None:
-    """``ckpt_path`` must be an intact drafter checkpoint of this run's architecture.
+def check_resume_checkpoint(path: str, config: DrafterConfig) -> int:
+    """``ckpt_path`` must be an intact drafter checkpoint of this run's architecture; returns its
+    global step (where the resumed run's logs continue).
 
     Lightning would otherwise fail deep inside ``fit`` with a zip or
     state-dict traceback. Loaded memory-mapped: the tensors are not read.
@@ -78,6 +79,7 @@ def check_resume_checkpoint(path: str, config: DrafterConfig) -> None:
             f"ckpt_path={path} was trained with another drafter config ({', '.join(differ[:4])}); "
             "resume with the run's original target and drafter settings, or start a new run"
         )
+    return int(ckpt.get("global_step", 0))
 
 
 def drafter_config_differences(saved: dict, now: dict) -> list[str]:

@@ -20,6 +20,7 @@ from dflash2.errors import DFlash2Error
 from dflash2.logging_setup import send_lightning_logs_to_root
 from dflash2.target import check_target_source
 from dflash2.training.build_target import BUILD_INFO, ensure_target, format_target_report, publish_target
+from dflash2.training.resumable_loggers import resume_histories
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +64,17 @@ def instantiate_user_facing(node: DictConfig):
         raise
 
 
-def instantiate_loggers(cfg: DictConfig) -> list:
+def instantiate_loggers(cfg: DictConfig, resume_step: int | None = None) -> list:
+    """The run's loggers; with ``resume_step`` (the checkpoint's global step) they continue the run's
+    logs instead of starting them over (dflash2/training/resumable_loggers.py)."""
     loggers = []
     for node in (cfg.get("logger") or {}).values():
         if node is not None and "_target_" in node:
             logger = instantiate_user_facing(node)
             if logger is not None:
                 loggers.append(logger)
+    if resume_step is not None:
+        resume_histories(loggers, resume_step)
     return loggers
 
 

@@ -64,8 +64,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     check_blocks_fit_the_data(drafter.config, int(settings["num_anchors"]), data)
     check_sequences_fit_the_context(data, config.max_position_embeddings)
     resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
-    if resume_from is not None:
-        check_resume_checkpoint(resume_from, drafter.config)
+    resume_step = check_resume_checkpoint(resume_from, drafter.config) if resume_from is not None else None
 
     cache_dir = Path(cfg.paths.cache_dir)
     device = regeneration_device(cfg)
@@ -118,7 +117,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
         pad_id=pad_id,
         num_workers=int(data["num_workers"]),
     )
-    loggers = instantiate_loggers(cfg)
+    loggers = instantiate_loggers(cfg, resume_step)
     trainer: L.Trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=instantiate_callbacks(cfg))
     with explain_oom("drafter training", knob_hints(cfg, TRAINING_KNOBS), extra=OOM_TRAINING_ADVICE):
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
