@@ -41,7 +41,7 @@ from dflash2.drafter.config import DrafterConfig
 from dflash2.errors import DFlash2Error
 from dflash2.logging_setup import configure_console_logging
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__spec__.name if __spec__ else __name__)  # dflash2.export under `python -m` too
 
 FORMATS = ("auto", "dflash", "dflash2")
 ARCHITECTURE = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
