@@ -39,6 +39,34 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     }
 
 
+class _RunsOnLoad:
+    """Unpickling this calls ``func(*args)``: what a crafted ``.ckpt`` can make ``torch.load`` do."""
+
+    def __init__(self, func, args):
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return self.func, self.args
+
+
+def crafted_checkpoint(path: Path, marker: Path, base: dict, how: str = "touch", legacy: bool = False) -> Path:
+    """Save ``base`` (a real checkpoint dict) to ``path`` plus one entry whose unpickling creates ``marker``.
+
+    how: "touch" (``pathlib.Path.touch(marker)``) or "shell" (``os.system("touch marker")``); legacy: torch's
+    pre-1.6 non-zip format. A load with ``weights_only=False`` creates the marker and returns an otherwise
+    valid checkpoint.
+    """
+    import shlex
+
+    if how == "touch":
+        payload = _RunsOnLoad(Path.touch, (Path(marker),))
+    else:
+        payload = _RunsOnLoad(os.system, (f"touch {shlex.quote(str(marker))}",))
+    torch.save({**base, "notes": payload}, path, _use_new_zipfile_serialization=not legacy)
+    assert not Path(marker).exists()
+    return Path(path)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
