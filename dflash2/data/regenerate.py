@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -40,6 +41,8 @@ from dflash2.corpus import corpus_fingerprint, load_documents, split_kwargs
 from dflash2.data.prompts import code_prompt_batches
 from dflash2.data.shard_store import Shard, ShardStore
 from dflash2.errors import DFlash2Error
+
+log = logging.getLogger(__name__)
 
 
 def target_fingerprint(name_or_path: str | Path) -> str:
@@ -228,10 +231,7 @@ def _generate_resumable(
     if done:
         # The state after the last saved batch: sampling continues as if never interrupted.
         generator.set_state(done[-1].generator_state)
-        print(
-            f"[dflash2] regeneration of {split}: resuming at batch {len(done)}/{len(prompts)} from {store.folder}",
-            flush=True,
-        )
+        log.info(f"regeneration of {split}: resuming at batch {len(done)}/{len(prompts)} from {store.folder}")
     responses = [shard.response for shard in done]
     steps = range(len(done), len(prompts))
     for i in tqdm(steps, initial=len(done), total=len(prompts), desc=f"regenerating {split} responses", unit="batch"):

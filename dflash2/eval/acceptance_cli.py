@@ -18,6 +18,7 @@ from dflash2.errors import DFlash2Error
 
 log = logging.getLogger(__name__)
 CONFIG_NAME = "eval_acceptance"
+JOB_LOGGING = "dflash2"
 
 
 def config_file() -> Path:
@@ -87,22 +88,33 @@ def run(cfg) -> dict:
         )
     lossless = {None: "not checked", True: "true", False: "FALSE"}[results["lossless"]]
     if counts_line(results["prompt_counts"]):
-        print(f"note: {counts_line(results['prompt_counts'])}")
-    print(
+        log.info(f"note: {counts_line(results['prompt_counts'])}")
+    log.info(
         f"mean tau {results['mean_tau']:.3f} over {results['steps']} steps, {results['num_prompts']} prompts "
         f"({results['skipped_prompts']} skipped); lossless {lossless}; results in {cfg.paths.output_dir}"
     )
     return results
 
 
-def main() -> None:
-    """Entry point: compose the config (with CLI overrides) and run; DFlash2Error -> one line, exit 2."""
-    import hydra
+def register_configs() -> None:
+    """Put the eval config, and the console/log-file setup train.py uses (its defaults list selects
+    it), into Hydra's ConfigStore."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
+    primary = config_file()
+    store = ConfigStore.instance()
+    store.store(name=CONFIG_NAME, node=OmegaConf.load(primary))
+    job_logging = primary.parent / "hydra" / "job_logging" / f"{JOB_LOGGING}.yaml"
+    store.store(group="hydra/job_logging", name=JOB_LOGGING, node=OmegaConf.load(job_logging))
+
+
+def main() -> None:
+    """Entry point: compose the config (with CLI overrides) and run; DFlash2Error -> one line, exit 2."""
+    import hydra
+
     try:
-        ConfigStore.instance().store(name=CONFIG_NAME, node=OmegaConf.load(config_file()))
+        register_configs()
     except DFlash2Error as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
