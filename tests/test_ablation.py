@@ -183,4 +183,4 @@ def test_a_run_locked_by_another_process_is_not_started_twice(tmp_path):
         assert held is not None and held >= 0
         problem = train_and_evaluate(settings, run, tmp_path / "target")
     assert "another process is working on" in problem and "\n" not in problem
-    assert not (run.dir / "train.log").exists()  # nothing was started
+    assert not (run.dir / "train.console.log").exists()  # nothing was started

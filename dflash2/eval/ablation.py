@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import shlex
@@ -36,6 +37,9 @@ from dflash2.errors import DFlash2Error
 from dflash2.eval.ablation_plan import BASELINE, TIMES, VARIANTS, Run, Settings, check_overrides, plan, record_or_check
 from dflash2.eval.ablation_runner import execute, prepare
 from dflash2.eval.ablation_table import read_measurements, summarise, write_table
+from dflash2.logging_setup import configure_console_logging
+
+log = logging.getLogger(__name__)
 
 
 def run_record(settings: Settings, run: Run) -> dict:
@@ -145,22 +149,23 @@ def run(argv: list[str]) -> int:
     target_dir = prepare(settings)
     failures = execute(settings, runs, target_dir)
     summary = tabulate(settings, runs, argv)
-    print((settings.out / "ablation.md").read_text(), flush=True)
-    print(f"[ablation] table: {settings.out / 'ablation.md'} and ablation.json ({len(summary)} variants)", flush=True)
+    log.info((settings.out / "ablation.md").read_text())
+    log.info(f"ablation: table in {settings.out / 'ablation.md'} and ablation.json ({len(summary)} variants)")
     if failures:
-        print(f"[ablation] {len(failures)} run(s) failed; rerun the same command to retry them:", file=sys.stderr)
+        log.warning(f"ablation: {len(failures)} run(s) failed; rerun the same command to retry them:")
         for problem in failures:
-            print(f"  {problem}", file=sys.stderr)
+            log.warning(f"  {problem}")
         return 1
     return 0
 
 
 def main() -> None:
+    configure_console_logging()
     try:
         sys.exit(run(sys.argv[1:]))
     except DFlash2Error as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
-        print("[ablation] interrupted; run the same command again to resume", file=sys.stderr)
+        print("interrupted; run the same command again to resume", file=sys.stderr)
         sys.exit(130)

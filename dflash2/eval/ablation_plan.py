@@ -155,7 +155,7 @@ def train_command(settings: Settings, run: Run, target_dir: Path) -> list[str]:
     user_keys = {override_key(o) for o in settings.overrides}
     defaults = []  # quiet, light logging for children writing into files; a user override wins
     if "logger" not in user_keys:
-        defaults += ["logger=csv", "+logger.csv.flush_logs_every_n_steps=10"]  # frequent rows: progress display
+        defaults.append("logger=csv")  # light, and its metrics.csv rows feed the progress display
     if "trainer.enable_progress_bar" not in user_keys:
         defaults.append("trainer.enable_progress_bar=false")
     if "callbacks.progress_bar" not in user_keys:

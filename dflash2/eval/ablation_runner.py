@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 import shlex
 import subprocess
@@ -20,6 +21,8 @@ from pathlib import Path
 
 from dflash2.errors import DFlash2Error
 from dflash2.eval.ablation_plan import REPO_ROOT, TIMES, Run, Settings, eval_command, prepare_command, train_command
+
+log = logging.getLogger(__name__)
 
 
 def child_env(threads: int | None) -> dict[str, str]:
@@ -33,7 +36,7 @@ def child_env(threads: int | None) -> dict[str, str]:
 
 def prepare(settings: Settings) -> Path:
     """Build/reuse the target and the data once (all CPU threads); returns the published target folder."""
-    print(f"[ablation] preparing target and data: {shlex.join(prepare_command(settings))}", flush=True)
+    log.info(f"ablation: preparing target and data: {shlex.join(prepare_command(settings))}")
     done = subprocess.run(prepare_command(settings), env=child_env(None), cwd=os.getcwd())
     if done.returncode != 0:
         raise DFlash2Error(
@@ -91,16 +94,16 @@ def train_and_evaluate(settings: Settings, run: Run, target_dir: Path) -> str | 
             return f"{run.name}: another process is working on {run.dir} (its .ablation.lock is held); not started"
         keep_open = () if lock is None else (lock,)
         if not run.trained:
-            command, log = train_command(settings, run, target_dir), run.dir / "train.log"
-            rc, seconds = _call(command, log, settings.threads_per_run, keep_open)
+            command, log_file = train_command(settings, run, target_dir), run.dir / "train.console.log"
+            rc, seconds = _call(command, log_file, settings.threads_per_run, keep_open)
             if rc != 0:
-                return f"{run.name}: training failed (exit {rc}); log {log}"
+                return f"{run.name}: training failed (exit {rc}); log {log_file}"
             _record_time(run, "train_seconds", seconds)
         if not run.evaluated:
-            command, log = eval_command(settings, run, target_dir), run.dir / f"{settings.eval_name}.log"
-            rc, seconds = _call(command, log, settings.threads_per_run, keep_open)
+            command, log_file = eval_command(settings, run, target_dir), run.dir / f"{settings.eval_name}.console.log"
+            rc, seconds = _call(command, log_file, settings.threads_per_run, keep_open)
             if rc != 0:
-                return f"{run.name}: evaluation failed (exit {rc}); log {log}"
+                return f"{run.name}: evaluation failed (exit {rc}); log {log_file}"
             _record_time(run, f"{settings.eval_name}_seconds", seconds)
     return None
 
@@ -135,10 +138,9 @@ def activity(running: list[Run]) -> str:
 def execute(settings: Settings, runs: list[Run], target_dir: Path, refresh_s: float = 30.0) -> list[str]:
     """All runs, ``settings.jobs`` at a time, with a status line on changes and every ``refresh_s``."""
     todo = [r for r in runs if not (r.trained and r.evaluated)]
-    print(
-        f"[ablation] {len(runs) - len(todo)} of {len(runs)} runs already trained and evaluated; "
-        f"{len(todo)} to go, {settings.jobs} at a time, {settings.threads_per_run} thread(s) each",
-        flush=True,
+    log.info(
+        f"ablation: {len(runs) - len(todo)} of {len(runs)} runs already trained and evaluated; "
+        f"{len(todo)} to go, {settings.jobs} at a time, {settings.threads_per_run} thread(s) each"
     )
     failures: list[str] = []
     started, shown, last_print = time.perf_counter(), "", 0.0
@@ -151,13 +153,13 @@ def execute(settings: Settings, runs: list[Run], target_dir: Path, refresh_s: fl
                 problem = future.result()
                 if problem:
                     failures.append(problem)
-                    print(f"[ablation] {problem}", flush=True)
+                    log.warning(f"ablation: {problem}")
             now = time.perf_counter()
             counts = progress(runs, failures)
             if counts != shown or now - last_print >= refresh_s:
                 elapsed = time.strftime("%H:%M:%S", time.gmtime(now - started))
                 doing = activity([r for f, r in futures.items() if f.running()])
-                print(f"[ablation {elapsed}] {counts}" + (f" | {doing}" if doing else ""), flush=True)
+                log.info(f"ablation {elapsed}: {counts}" + (f" | {doing}" if doing else ""))
                 shown, last_print = counts, now
             time.sleep(0.5)
     except KeyboardInterrupt:
@@ -165,5 +167,5 @@ def execute(settings: Settings, runs: list[Run], target_dir: Path, refresh_s: fl
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
-    print(f"[ablation] {progress(runs, failures)}", flush=True)
+    log.info(f"ablation: {progress(runs, failures)}")
     return failures

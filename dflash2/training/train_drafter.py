@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import lightning as L
@@ -11,6 +12,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from dflash2.data.regenerate import regenerate_split
+from dflash2.data.split_record import training_data_record
 from dflash2.drafter.from_target import check_drafter_matches_target, drafter_config_for_target
 from dflash2.drafter.io import load_drafter, save_drafter
 from dflash2.drafter.model import DFlashDrafter
@@ -25,8 +27,11 @@ from dflash2.training.preflight import (
     check_blocks_fit_the_data,
     check_resume_checkpoint,
     check_sequences_fit_the_context,
+    resolve_ckpt_path,
 )
 from dflash2.training.run import instantiate_callbacks, instantiate_loggers, regeneration_device
+
+log = logging.getLogger(__name__)
 
 # Memory savers that are not a smaller size: half precision, and the same batch in smaller pieces.
 OOM_TRAINING_ADVICE = (
@@ -53,32 +58,31 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     settings = plain(cfg.drafter)
     config = drafter_config_for_target(settings, target)
     if settings.get("init_from"):
-        drafter = load_drafter(settings["init_from"])
+        # fp32 master weights whatever the folder stores (published drafters are bf16)
+        drafter = load_drafter(settings["init_from"], dtype=torch.float32).train()
         check_drafter_matches_target(drafter.config, target)
     else:
         # the seed names the initial weights: the same backbone for every variant (dflash2/drafter/initialisation.py)
         drafter = DFlashDrafter(config, init_seed=seed)
+    common = regeneration_settings(cfg, target_dir)
+    # Saved with the drafter (and its checkpoints): evaluation draws held-out prompts from this split.
+    drafter.config.training_data = training_data_record(data, common["seed"])
     check_blocks_fit_the_data(drafter.config, int(settings["num_anchors"]), data)
     check_sequences_fit_the_context(data, config.max_position_embeddings)
     resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
-    if resume_from is not None:
-        check_resume_checkpoint(resume_from, drafter.config)
+    resume_step = check_resume_checkpoint(resume_from, drafter.config) if resume_from is not None else None
 
     cache_dir = Path(cfg.paths.cache_dir)
     device = regeneration_device(cfg)
-    common = regeneration_settings(cfg, target_dir)
     train_ds, val_ds = regenerate_training_data(cfg, target, common)
     target.model.cpu()
-    print(
-        f"[dflash2] data: {len(train_ds)} train / {len(val_ds)} validation regenerated sequences "
-        f"(cache {cache_dir / 'data'})",
-        flush=True,
+    log.info(
+        f"data: {len(train_ds)} train / {len(val_ds)} validation regenerated sequences (cache {cache_dir / 'data'})"
     )
     n_params = sum(p.numel() for p in drafter.parameters())
-    print(
-        f"[dflash2] drafter: {settings['version']} "
-        f"({n_params / 1e6:.2f} M params, block {config.block_size}, taps {config.target_layer_ids})",
-        flush=True,
+    log.info(
+        f"drafter: {settings['version']} "
+        f"({n_params / 1e6:.2f} M params, block {drafter.config.block_size}, taps {drafter.config.target_layer_ids})"
     )
 
     total_steps = int(cfg.trainer.max_steps)
@@ -111,14 +115,14 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
         pad_id=pad_id,
         num_workers=int(data["num_workers"]),
     )
-    loggers = instantiate_loggers(cfg)
+    loggers = instantiate_loggers(cfg, resume_step)
     trainer: L.Trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=instantiate_callbacks(cfg))
     with explain_oom("drafter training", knob_hints(cfg, TRAINING_KNOBS), extra=OOM_TRAINING_ADVICE):
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
 
     drafter_dir = output_dir / "drafter"
     save_drafter(drafter.float().cpu(), drafter_dir)
-    print(f"[dflash2] drafter saved to {drafter_dir}", flush=True)
+    log.info(f"drafter saved to {drafter_dir}")
 
     with explain_oom(
         "the held-out report",
@@ -131,7 +135,8 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     report["steps"] = int(trainer.global_step)
     report["drafter_dir"] = str(drafter_dir)
     (output_dir / "train_summary.json").write_text(json.dumps(report, indent=2))
-    print(format_heldout_report(report), flush=True)
+    for line in heldout_report_lines(report):
+        log.info(line)
     return report
 
 
@@ -171,12 +176,12 @@ def prepare_data(cfg: DictConfig, target_dir) -> dict:
     with explain_oom("regeneration of the held-out data", knob_hints(cfg, REGENERATION_KNOBS)):
         heldout_ds = regenerate_split(target, data, split="heldout", num_prompts=int(data["num_val_prompts"]), **common)
     sizes = {"train": len(train_ds), "validation": len(val_ds), "heldout": len(heldout_ds), "seed": common["seed"]}
-    print(f"[dflash2] data ready: {sizes} (cache {common['cache_dir'] / 'data'})", flush=True)
+    log.info(f"data ready: {sizes} (cache {common['cache_dir'] / 'data'})")
     return sizes
 
 
 def trainable_rows(dataset, split: str):
-    """Keep sequences with at least one anchor (two consecutive response tokens, §2); error if none is left."""
+    """Keep sequences with an anchor (two consecutive response tokens, ARCHITECTURE.md §2.6); error if none is left."""
 
     def has_anchor(row) -> bool:
         m = row["loss_mask"]
@@ -190,18 +195,6 @@ def trainable_rows(dataset, split: str):
             "raise data.response_tokens or check that the target does not stop at once"
         )
     return kept
-
-
-def resolve_ckpt_path(ckpt_path, output_dir: Path):
-    if not ckpt_path:
-        return None
-    path = output_dir / "checkpoints" / "last.ckpt" if str(ckpt_path) == "last" else Path(str(ckpt_path))
-    if not path.is_file():
-        raise DFlash2Error(
-            f"ckpt_path={ckpt_path}: no checkpoint file at {path}; "
-            "pass a .ckpt file or 'last' with the run's paths.output_dir"
-        )
-    return str(path)
 
 
 @torch.no_grad()
@@ -248,17 +241,14 @@ def heldout_report(
     return report
 
 
-def format_heldout_report(r: dict) -> str:
+def heldout_report_lines(r: dict) -> list[str]:
     acc = " ".join(f"{a:.2f}" for a in r["heldout_acc_per_position"])
     base = " ".join(f"{a:.2f}" for a in r["baseline_acc_per_position"])
     lines = [
-        f"[dflash2] held-out per-position top-1 accuracy ({r['heldout_blocks']} blocks): {acc}",
-        f"[dflash2]   baseline (always token {r['baseline_most_frequent_token']}):            {base}",
-        (
-            f"[dflash2]   acceptance estimate tau = {r['heldout_tau_estimate']:.3f} "
-            f"(baseline {r['baseline_tau_estimate']:.3f})"
-        ),
+        f"held-out per-position top-1 accuracy ({r['heldout_blocks']} blocks): {acc}",
+        f"  baseline (always token {r['baseline_most_frequent_token']}):            {base}",
+        f"  acceptance estimate tau = {r['heldout_tau_estimate']:.3f} (baseline {r['baseline_tau_estimate']:.3f})",
     ]
     if "heldout_selector_tau_estimate" in r:
-        lines.append(f"[dflash2]   selector path tau estimate = {r['heldout_selector_tau_estimate']:.3f}")
-    return "\n".join(lines)
+        lines.append(f"  selector path tau estimate = {r['heldout_selector_tau_estimate']:.3f}")
+    return lines
