@@ -23,7 +23,8 @@ def load_model(folder, *, dtype=None, device="cpu", target_layer_ids=()) -> Runt
 
     dtype: None/'auto' keeps the stored dtype; else a torch.dtype or 'bfloat16'/'float16'/'float32'.
     target_layer_ids: layers whose outputs the forward returns as taps (see ``RuntimeCausalLM.set_taps``).
-    The result is in eval mode with gradients off (a frozen target).
+    The result is in eval mode with gradients off (a frozen target), its q|k|v and gate|up
+    projections fused (``fuse_projections``): move it afterwards only if you accept a copy.
     """
     folder = str(folder)
     config, text = read_text_config(folder)
@@ -39,7 +40,7 @@ def load_model(folder, *, dtype=None, device="cpu", target_layer_ids=()) -> Runt
     load_weights(model, folder, dtype, device, tie)
     model.to(device)  # non-parameter state (RoPE frequencies) built on the CPU
     model.set_taps(target_layer_ids)
-    return model.eval().requires_grad_(False)
+    return model.eval().requires_grad_(False).fuse_projections()
 
 
 __all__ = ["FAMILIES", "Llama", "ModelOutput", "Qwen3", "Qwen3_5", "RuntimeCausalLM", "load_model"]
