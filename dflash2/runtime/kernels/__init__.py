@@ -17,9 +17,10 @@ anything else the twin. The twins round exactly where the eager HF code rounds
 (they *are* the eager code), and the kernels round at the same points, so bf16
 results agree to the last bit except for reduction order.
 
-Tests run the kernels on CPU tensors under ``TRITON_INTERPRET=1``: kernels are
-jitted lazily (:func:`jit`), so the interpreter is chosen when a kernel is first
-called with that variable set, not at import.
+Tests run the kernels on CPU tensors through Triton's interpreter: ``TRITON_INTERPRET=1``
+must be set before triton is first imported (its standard library is jitted then; the
+test suite's conftest does it on machines without a GPU), and CPU tensors go to the
+kernels only inside ``with on_cpu():`` — elsewhere the CPU runs the twins.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from contextlib import contextmanager
 import torch
 
 _ENABLED = os.environ.get("DFLASH2_TRITON", "1") != "0"
+_ON_CPU = False
 _CACHE: dict = {}
 
 
@@ -47,8 +49,8 @@ def available() -> bool:
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    """Run the Triton kernel for tensor t: CUDA tensors (or any tensor under TRITON_INTERPRET=1), when enabled."""
-    return _ENABLED and (t.is_cuda or _interpret()) and available()
+    """Run the Triton kernel for tensor t: CUDA tensors, or CPU ones inside ``on_cpu()`` under the interpreter."""
+    return _ENABLED and (t.is_cuda or (_ON_CPU and _interpret())) and available()
 
 
 def enabled() -> bool:
@@ -70,6 +72,19 @@ def kernels(flag: bool):
         yield
     finally:
         set_enabled(old)
+
+
+@contextmanager
+def on_cpu():
+    """Send CPU tensors to the kernels (Triton's interpreter; tests only)."""
+    global _ON_CPU
+    if not _interpret():
+        raise RuntimeError("set TRITON_INTERPRET=1 before triton is imported to run the kernels on the CPU")
+    old, _ON_CPU = _ON_CPU, True
+    try:
+        yield
+    finally:
+        _ON_CPU = old
 
 
 def jit(fn):
