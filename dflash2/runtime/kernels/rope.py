@@ -94,10 +94,9 @@ def _qk_rope_kernel(
     dt = q_ptr.dtype.element_ty
     d = tl.arange(0, BLOCK)
     dm = d < D
-    HALF: tl.constexpr = R // 2
     rot = d < R
-    partner = tl.where(d < HALF, d + HALF, d - HALF)  # rotate_half: [-x2, x1]
-    sign = tl.where(d < HALF, -1.0, 1.0)
+    partner = tl.where(d < R // 2, d + R // 2, d - R // 2)  # rotate_half: [-x2, x1]
+    sign = tl.where(d < R // 2, -1.0, 1.0)
     is_q = j < H
     col = tl.where(is_q, j * q_head_stride, k_off + (j - H) * D)
     base = qkv_ptr + m * W + col
