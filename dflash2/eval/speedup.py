@@ -227,8 +227,11 @@ def run_speedup(
     ablate_kernels: bool = True,
     output_dir=None,
     log=print,
+    extra: dict | None = None,
 ) -> dict:
-    """Measure (a), (b), (c) for each batch size on ``pair`` (speedup_setup.Pair); write results if output_dir."""
+    """Measure (a), (b), (c) for each batch size on ``pair`` (speedup_setup.Pair); write results if output_dir.
+
+    extra: settings recorded in the results as they are (e.g. the attention backend)."""
     target, drafter = pair.target, pair.drafter
     device = target.embed.weight.device
     B = drafter.block_size
@@ -247,6 +250,7 @@ def run_speedup(
         "copy_bandwidth_GBps": bw / 1e9,
         "weight_bytes": wbytes,
         "bound_ms_per_step": bound_ms,
+        **(extra or {}),
         "batches": {},
     }
     where = f"{pair.label} on {results['device']}"
@@ -330,7 +334,8 @@ def markdown(results: dict) -> str:
     lines = [
         f"# eval.speedup — {results['label']}",
         "",
-        f"{results['date']}, {results['device']}, {results['dtype']}, block {results['block_size']}; "
+        f"{results['date']}, {results['device']}, {results['dtype']}, block {results['block_size']}, "
+        f"attention {results.get('attention', 'default')}; "
         f"weights read per step {results['weight_bytes'] / 1e9:.4g} GB, copy bandwidth "
         f"{results['copy_bandwidth_GBps']:.0f} GB/s (measured in this run) -> bound {bound:.3f} ms/step. "
         "Median [min–max] over runs.",

@@ -58,7 +58,9 @@ def build_pair(cfg):
 def run(cfg) -> dict:
     """Build the pair from the composed config, measure, write results; returns the results dict."""
     from dflash2.eval.speedup import run_speedup
+    from dflash2.runtime.cache import set_attention_backend
 
+    set_attention_backend(cfg.attention)
     pair = build_pair(cfg)
     taus = [float(t) for t in cfg.predict_taus] if pair.random else []
     results = run_speedup(
@@ -72,6 +74,7 @@ def run(cfg) -> dict:
         profile=bool(cfg.profile),
         ablate_kernels=bool(cfg.ablate_kernels),
         output_dir=cfg.paths.output_dir,
+        extra={"attention": cfg.attention or "default"},
     )
     print(f"results in {cfg.paths.output_dir}")
     return results
