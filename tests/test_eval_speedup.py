@@ -125,3 +125,12 @@ def test_divergence_names_both_tokens_and_their_margin(hf_targets):
     assert first_divergence(model, prompts, ref, [[7, 8]])["lengths"] == [4, 2]
     total = sum(p.numel() for p in model.parameters()) * 4
     assert weight_bytes(model) == total - model.embed.weight.numel() * 4  # untied: the table is not read
+
+
+def test_profile_counts_attention_apart_from_gemms():
+    from dflash2.eval.speedup import is_gemm
+
+    assert is_gemm("nvjet_sm90_tst_192x8_64x8_2x1_v_bz_TNT") and is_gemm("void cublasLt::splitKreduce_kernel<32>")
+    assert not is_gemm("fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel)")
+    assert not is_gemm("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x")
+    assert not is_gemm("_add_rms_norm_kernel")

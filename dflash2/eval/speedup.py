@@ -173,6 +173,12 @@ def first_divergence(model, prompts, ref, got) -> dict | None:
 
 # ----------------------------------------------------------------------------- profile
 GEMM_WORDS = ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk", "matmul")
+ATTENTION_WORDS = ("fmha", "sdpa", "attention", "flash")  # cutlass / cuDNN attention kernels are not GEMVs
+
+
+def is_gemm(kernel: str) -> bool:
+    name = kernel.lower()
+    return any(w in name for w in GEMM_WORDS) and not any(w in name for w in ATTENTION_WORDS)
 
 
 def profile_ar_step(dec: Decoder, N: int, reps: int = 5) -> dict:
@@ -203,7 +209,7 @@ def profile_ar_step(dec: Decoder, N: int, reps: int = 5) -> dict:
         rows.append((e.key, us / reps, e.count / reps))
     rows.sort(key=lambda r: -r[1])
     total = sum(r[1] for r in rows)
-    gemm = sum(r[1] for r in rows if any(w in r[0].lower() for w in GEMM_WORDS))
+    gemm = sum(r[1] for r in rows if is_gemm(r[0]))
     return {
         "how": how,
         "kernel_us_per_step": total,
