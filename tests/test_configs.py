@@ -131,7 +131,7 @@ def test_eval_acceptance_config_composes_with_its_prompt_options(tmp_path):
     from dflash2.eval.acceptance_cli import CONFIG_NAME, register_configs
     from dflash2.eval.sampled_prompts import POSITIONS
 
-    register_configs()  # the primary config and the hydra/job_logging option its defaults select
+    register_configs()  # what the CLI does: the eval config and the job_logging it selects
     GlobalHydra.instance().clear()
     with initialize(version_base="1.3", config_path=None):
         cfg = compose(CONFIG_NAME, overrides=["drafter=d", "seed=7", f"paths.output_dir={tmp_path}"])
