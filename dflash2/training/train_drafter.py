@@ -11,7 +11,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from dflash2.data.regenerate import regenerate_split
+from dflash2.data.regenerate import chat_template_of, regenerate_split
 from dflash2.data.split_record import training_data_record
 from dflash2.drafter.from_target import check_drafter_matches_target, drafter_config_for_target
 from dflash2.drafter.io import load_drafter, save_drafter
@@ -64,7 +64,10 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
         torch.manual_seed(seed)
         drafter = DFlashDrafter(config)
     # Saved with the drafter (and its checkpoints): evaluation draws held-out prompts from this split.
-    drafter.config.training_data = training_data_record(data, seed)
+    if data.get("chat") and target.tokenizer is None:
+        raise DFlash2Error(f"data=chat needs the target's tokenizer (its chat template); {target_dir} has none")
+    chat_template = chat_template_of(data, target.tokenizer) if data.get("chat") else None
+    drafter.config.training_data = training_data_record(data, seed, chat_template)
     check_blocks_fit_the_data(drafter.config, int(settings["num_anchors"]), data)
     check_sequences_fit_the_context(data, config.max_position_embeddings)
     resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
@@ -75,10 +78,11 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     common = dict(seed=seed, cache_dir=cache_dir, target_id=str(target_dir), device=device)
     with explain_oom("regeneration of training data by the target", knob_hints(cfg, REGENERATION_KNOBS)):
         train_ds = trainable_rows(
-            regenerate_split(target, data, split="train", num_prompts=int(data["num_train_prompts"]), **common), "train"
+            regenerate_split(target, data, split="train", num_prompts=_count(data["num_train_prompts"]), **common),
+            "train",
         )
         val_ds = trainable_rows(
-            regenerate_split(target, data, split="validation", num_prompts=int(data["num_val_prompts"]), **common),
+            regenerate_split(target, data, split="validation", num_prompts=_count(data["num_val_prompts"]), **common),
             "validation",
         )
     target.model.cpu()
@@ -134,7 +138,9 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
         "the held-out report",
         knob_hints(cfg, ("data.generation_batch_size", "data.batch_size", "data.num_val_prompts")),
     ):
-        heldout_ds = regenerate_split(target, data, split="heldout", num_prompts=int(data["num_val_prompts"]), **common)
+        heldout_ds = regenerate_split(
+            target, data, split="heldout", num_prompts=_count(data["num_val_prompts"]), **common
+        )
         report = heldout_report(
             module.to(device), heldout_ds, train_ds, pad_id=pad_id, batch_size=int(data["batch_size"]), seed=seed
         )
@@ -144,6 +150,11 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     for line in heldout_report_lines(report):
         log.info(line)
     return report
+
+
+def _count(value) -> int | None:
+    """A data.num_*_prompts value: an int, or None (chat data: every turn of the split)."""
+    return None if value is None else int(value)
 
 
 def trainable_rows(dataset, split: str):
