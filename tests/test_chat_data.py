@@ -229,12 +229,34 @@ def test_dataset_splits_keep_near_copies_together_and_exact_copies_once(tmp_path
     assert all(by_split[s] for s in by_split)
 
 
+def test_parquet_json_and_jsonl_files_hold_the_same_conversations(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [SHAREGPT, OPENAI, {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}]
+    write_jsonl(tmp_path / "a.jsonl", rows)
+    (tmp_path / "b.json").write_text(json.dumps(rows))
+    pq.write_table(pa.Table.from_pylist(rows[1:]), tmp_path / "c.parquet")  # one layout per parquet file
+    found = {}
+    for name in ("a.jsonl", "b.json", "c.parquet"):
+        counts = RowCounts()
+        found[name] = sorted(
+            c.key.split(":")[-1] for c in iter_conversations(chat_data(tmp_path / name), "train", 0, counts)
+        )
+        assert not counts.skipped
+    # ShareGPT and OpenAI rows of one conversation are one conversation (kept once).
+    assert found["a.jsonl"] == found["b.json"] == found["c.parquet"] and len(found["a.jsonl"]) == 2
+    folder = list(iter_conversations(chat_data(tmp_path), "train", 0, RowCounts()))
+    assert sorted(c.key.split(":")[-1] for c in folder) == found["a.jsonl"]
+
+
 def test_a_missing_file_or_bad_source_is_a_one_line_error(tmp_path, micro_target):
     for conversations, needle in [
         ([{"kind": "dataset", "path": str(tmp_path / "missing.jsonl")}], "does not exist"),
         ([{"kind": "dataset"}], "needs a path"),
         ([{"kind": "embeded"}], "kind embedded or dataset"),
         ([{"kind": "embedded", "path": "x"}], "unknown keys ['path']"),
+        ([{"kind": "dataset", "path": "no-such-owner/no-such-chat-set"}], "the hub is unreachable here"),
     ]:
         data = chat_data(tmp_path, chat={"conversations": conversations, "template": "auto"})
         with pytest.raises(DFlash2Error, match=re.escape(needle)) as err:
