@@ -61,8 +61,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
         drafter = load_drafter(settings["init_from"])
         check_drafter_matches_target(drafter.config, target)
     else:
-        torch.manual_seed(seed)
-        drafter = DFlashDrafter(config)
+        drafter = fresh_drafter(config, settings, seed)
     # Saved with the drafter (and its checkpoints): evaluation draws held-out prompts from this split.
     if data.get("chat") and target.tokenizer is None:
         raise DFlash2Error(f"data=chat needs the target's tokenizer (its chat template); {target_dir} has none")
@@ -110,6 +109,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
         total_steps=total_steps,
         seed=seed,
         target_id=str(target_dir),
+        selector_gold_injection=bool(settings.get("selector_gold_injection", False)),
     )
     pad_id = (
         target.tokenizer.pad_token_id
@@ -150,6 +150,16 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     for line in heldout_report_lines(report):
         log.info(line)
     return report
+
+
+def fresh_drafter(config, settings: dict, seed: int) -> DFlashDrafter:
+    """A new drafter initialised from the run's seed, with ``drafter.selector_zero_successor_init``
+    applied (ARCHITECTURE.md §3.2); a drafter loaded with init_from keeps the codebook it was trained to."""
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(config)
+    if settings.get("selector_zero_successor_init") and drafter.candidate_selector is not None:
+        drafter.candidate_selector.zero_successor_()
+    return drafter
 
 
 def _count(value) -> int | None:
