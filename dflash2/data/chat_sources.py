@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash2 import near_duplicates
-from dflash2.corpus import load_documents, split_kwargs, split_of
+from dflash2.corpus import Document, load_documents, split_kwargs, split_of
 from dflash2.data.chat_embedded import document_conversations
 from dflash2.data.chat_format import BadRow, Conversation, RowCounts, canonical_text, conversation_messages
 from dflash2.errors import DFlash2Error
@@ -122,8 +122,6 @@ def iter_conversations(data: Mapping, split: str, seed: int, counts: RowCounts) 
 def conversation_documents(data: Mapping, split: str):
     """The conversations of a split's datasets as corpus-like documents (key, text = all turns), for
     the check that evaluation prompts are not train text; embedded ones are the corpus itself."""
-    from dflash2.corpus import Document
-
     kw = split_kwargs(data)
     docs = []
     for spec in normalize_chat_sources(data["chat"]["conversations"]):
