@@ -2,9 +2,11 @@
 
 import itertools
 
+import pytest
 import torch
 
 from dflash2.drafter import CandidateSelector
+from dflash2.drafter.selector import scale_logits
 
 V, D = 64, 32
 
@@ -152,9 +154,10 @@ def test_loss_finite_and_decreases():
 
 
 # ------------------------------------------------------------------ training options (issue 12 item 5)
-def _outside_top_k_case(k=3, P=4, N=6):
+def _outside_top_k_case(k=3, P=4, N=6, softcap=None):
     """A selector with a strong pair term and labels: position (0, 1) and (2, 3) outside the top-k."""
     sel = make(k=k, rank=8, scale=0.5)
+    sel.final_logit_softcapping = softcap
     hidden, logits, anchor = toy(N=N, P=P, seed=5)
     cand, _ = sel.candidates(logits)
     labels = cand[..., 1].clone()  # inside the top-k: the second candidate
@@ -166,8 +169,9 @@ def _outside_top_k_case(k=3, P=4, N=6):
     return sel, hidden, logits, anchor, labels, mask
 
 
-def test_gold_injection_adds_the_label_as_a_candidate_where_it_is_outside_the_top_k():
-    sel, hidden, logits, anchor, labels, mask = _outside_top_k_case()
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_gold_injection_adds_the_label_as_a_candidate_where_it_is_outside_the_top_k(softcap):
+    sel, hidden, logits, anchor, labels, mask = _outside_top_k_case(softcap=softcap)
     dropped, stats = sel.loss(hidden, logits, anchor, labels, mask)
     injected, stats_inj = sel.loss(hidden, logits, anchor, labels, mask, inject_gold=True)
     cand, _ = sel.candidates(logits)
@@ -181,7 +185,9 @@ def test_gold_injection_adds_the_label_as_a_candidate_where_it_is_outside_the_to
                 options = cand[n, pos].tolist()
                 if labels[n, pos] not in options:
                     options.append(int(labels[n, pos]))  # the injected gold candidate
-                scores = torch.stack([edge(sel, hidden, logits, n, pos, pred, c) for c in options])
+                # the injected label's unary is scaled like the top-k ones (softcap, ARCHITECTURE.md §3.4)
+                served = scale_logits(logits, 1.0, softcap)
+                scores = torch.stack([edge(sel, hidden, served, n, pos, pred, c) for c in options])
                 ces[(n, pos)] = -torch.log_softmax(scores, 0)[options.index(int(labels[n, pos]))]
         outside = {(0, 1), (2, 3)}
         expected_dropped = torch.stack([v for key, v in ces.items() if key not in outside]).mean()
@@ -230,7 +236,9 @@ def test_fresh_dflash2_with_zero_successor_init_drafts_exactly_what_argmax_draft
     from dflash2.training.train_drafter import fresh_drafter
 
     target = make_spec_target("qwen3_5")
-    settings = OmegaConf.to_container(OmegaConf.load("configs/drafter/dflash.yaml"))
+    from conftest import REPO
+
+    settings = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "drafter" / "dflash.yaml"))
     settings.update(use_local_conv=True, use_selector=True, num_hidden_layers=1, selector_rank=8, selector_top_k=4)
     settings.update(conv_group_size=8, mask_token_id=target.vocab_size - 1)
     config = drafter_config_for_target(settings, target)
