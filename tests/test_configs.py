@@ -11,7 +11,8 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from dflash2.training.cli import CONFIG_DIR, check_overrides
+from dflash2.training.cli import CONFIG_DIR
+from dflash2.training.override_check import check_overrides
 
 GROUPS = {p.name: sorted(q.stem for q in p.glob("*.yaml")) for p in Path(CONFIG_DIR).iterdir() if p.is_dir()}
 
@@ -74,9 +75,9 @@ def test_experiments_set_the_task(tmp_path):
 
 def test_unknown_override_is_one_line_error():
     for bad in (["trainer.max_step=5"], ["drafter=dflsh"], ["nosuchkey=1"]):
-        message = check_overrides(bad)
+        message = check_overrides(bad, CONFIG_DIR)
         assert message is not None and "\n" not in message and "override" in message
-    assert check_overrides(["trainer.max_steps=5", "drafter=dflash"]) is None
+    assert check_overrides(["trainer.max_steps=5", "drafter=dflash"], CONFIG_DIR) is None
 
 
 def test_wandb_goes_offline_without_a_key(monkeypatch, tmp_path):

@@ -1,46 +1,56 @@
-"""Hydra front door of `train.py`.
+"""Hydra front door of `python train.py` and the `dflash2-train` entry point.
 
-Before Hydra runs, the overrides are composed once against the config tree so
-that a typo (`trainer.max_step=5`, `drafter=dflsh`) stops with a one-line
-message instead of Hydra's multi-line report; user errors raised as
-DFlash2Error are printed as one line as well (exit code 2).
+The command line is Hydra's own (`--help`, `--cfg job|hydra|all`, `--info`, `-m` with
+sweeps, ...). Before Hydra runs, Hydra's argument parser separates its flags from the
+overrides and the overrides are composed once (dflash2/training/override_check.py), so
+that a typo stops with one line (exit 2) instead of Hydra's multi-line report; user
+errors raised as DFlash2Error during the run are printed as one line as well.
+
+Output folders: a run writes into `paths.output_dir`. Under `-m` that folder holds the
+whole sweep (`multirun.yaml`) and job N writes into `paths.output_dir/N`
+(`hydra.sweep` in configs/train.yaml); the job's `paths.output_dir` is set to its own
+folder, so every path derived from it follows.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
+from dflash2.config_dir import config_dir, source_checkout
 
-
-def check_overrides(overrides: list[str], config_name: str = "train") -> str | None:
-    """Compose `config_name` with `overrides`; return a one-line error or None."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    plain = [o for o in overrides if not o.startswith(("hydra.", "hydra/", "-", "+hydra"))]
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-            compose(config_name=config_name, overrides=plain)
-    except Exception as err:  # Hydra raises several exception types for bad overrides
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return f"error: bad config override: {first} (see `python train.py --help` for groups and options; use +key=value to add a new key)"
-    finally:
-        GlobalHydra.instance().clear()
-    return None
+CONFIG_DIR = str(config_dir())
+CONFIG_NAME = "train"
+# Flags after which Hydra runs no job (or reads its config from elsewhere): nothing to check.
+NO_CHECK_FLAGS = ("help", "hydra_help", "shell_completion", "experimental_rerun", "config_path", "config_dir")
 
 
 def main() -> None:
-    if not any(a in ("--help", "-h", "--hydra-help", "--info", "-i") for a in sys.argv[1:]):
-        problem = check_overrides(sys.argv[1:])
+    from hydra._internal.utils import get_args_parser
+
+    from dflash2.training.override_check import check_overrides
+
+    args = get_args_parser().parse_args(sys.argv[1:])  # exits with argparse's usage line on a bad flag, as Hydra
+    if not any(getattr(args, flag) for flag in NO_CHECK_FLAGS):
+        multirun = args.multirun or "hydra.mode=MULTIRUN" in args.overrides
+        problem = check_overrides(args.overrides, CONFIG_DIR, args.config_name or CONFIG_NAME, multirun)
         if problem:
             print(problem, file=sys.stderr)
             sys.exit(2)
-    os.environ.setdefault("PROJECT_ROOT", str(Path(CONFIG_DIR).parent))
+    checkout = source_checkout()
+    if checkout is not None:
+        os.environ.setdefault("PROJECT_ROOT", str(checkout))  # paths.root_dir
     _hydra_main()
+
+
+def follow_sweep_job_dir(cfg) -> None:
+    """Under -m, point `paths.output_dir` at this job's own folder (`hydra.sweep.dir`/`hydra.sweep.subdir`)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        cfg.paths.output_dir = hydra_cfg.runtime.output_dir
 
 
 def _hydra_main() -> None:
@@ -49,10 +59,11 @@ def _hydra_main() -> None:
 
     from dflash2.errors import DFlash2Error
 
-    @hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
+    @hydra.main(config_path=CONFIG_DIR, config_name=CONFIG_NAME, version_base="1.3")
     def run(cfg: DictConfig) -> None:
         from dflash2.training.run import run_from_config
 
+        follow_sweep_job_dir(cfg)
         try:
             run_from_config(cfg)
         except DFlash2Error as err:
