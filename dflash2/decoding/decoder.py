@@ -138,7 +138,7 @@ class SpecResult:
 def _rows(prompt_ids, device) -> list[torch.Tensor]:
     """(N, P) tensor or list of lists -> list of 1-D long tensors (each non-empty)."""
     if isinstance(prompt_ids, torch.Tensor):
-        rows = [r for r in (prompt_ids[None] if prompt_ids.dim() == 1 else prompt_ids)]
+        rows = list(prompt_ids[None] if prompt_ids.dim() == 1 else prompt_ids)
     else:
         rows = [torch.as_tensor(list(r), dtype=torch.long) for r in prompt_ids]
     if not rows:
@@ -255,7 +255,7 @@ def speculative_generate(
             out = target(block, past_key_values=caches[n], use_cache=True)
             a, nxt = _accept(out.logits[0], drafts[n], None if q is None else q[n], params, generator)
             accepted[n].append(a)
-            emitted, done = _finish(drafts[n, :a].tolist() + [nxt], max_new_tokens - len(seqs[n]), eos)
+            emitted, done = _finish([*drafts[n, :a].tolist(), nxt], max_new_tokens - len(seqs[n]), eos)
             seqs[n] += emitted
             if done:  # finished rows are never touched again: skip their rollback
                 active[n] = False
