@@ -43,18 +43,9 @@ def main() -> None:
     _hydra_main()
 
 
-def follow_sweep_job_dir(cfg) -> None:
-    """Under -m, point `paths.output_dir` at this job's own folder (`hydra.sweep.dir`/`hydra.sweep.subdir`)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    hydra_cfg = HydraConfig.get()
-    if hydra_cfg.mode == RunMode.MULTIRUN:
-        cfg.paths.output_dir = hydra_cfg.runtime.output_dir
-
-
 def _hydra_main() -> None:
     import hydra
+    from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig
 
     from dflash2.errors import DFlash2Error
@@ -63,7 +54,8 @@ def _hydra_main() -> None:
     def run(cfg: DictConfig) -> None:
         from dflash2.training.run import run_from_config
 
-        follow_sweep_job_dir(cfg)
+        # The folder Hydra made for this job: paths.output_dir itself, or paths.output_dir/N of a -m sweep.
+        cfg.paths.output_dir = HydraConfig.get().runtime.output_dir
         try:
             run_from_config(cfg)
         except DFlash2Error as err:
