@@ -72,9 +72,11 @@ def test_help_lists_groups_and_hydra_help_lists_flags(tmp_path):
         (["-m", "seed=range(0,2)", "drafter=glob(*)", "nosuchkey=1"], "'nosuchkey'"),
         (["--cfg", "job", "drafter=dflsh"], "'drafter/dflsh'"),
         (["seed=0,1"], "seed=0,1 is a sweep"),
+        (["-m", "seed=0,1", "--cfg", "job"], "only one of --run, --multirun, --cfg"),
+        (["--resolve"], "--resolve goes with --cfg"),
     ],
 )
-def test_a_mistyped_override_stops_in_one_line(args, names, tmp_path):
+def test_a_mistyped_override_or_flag_stops_in_one_line(args, names, tmp_path):
     out = train_py(*args, cwd=tmp_path)
     assert out.returncode == 2
     assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1 and names in out.stderr

@@ -31,6 +31,10 @@ def main() -> None:
     from dflash2.training.override_check import check_overrides
 
     args = get_args_parser().parse_args(sys.argv[1:])  # exits with argparse's usage line on a bad flag, as Hydra
+    problem = flag_problem(args)
+    if problem:
+        print(problem, file=sys.stderr)
+        sys.exit(2)
     if not any(getattr(args, flag) for flag in NO_CHECK_FLAGS):
         multirun = args.multirun or "hydra.mode=MULTIRUN" in args.overrides
         problem = check_overrides(args.overrides, CONFIG_DIR, args.config_name or CONFIG_NAME, multirun)
@@ -41,6 +45,16 @@ def main() -> None:
     if checkout is not None:
         os.environ.setdefault("PROJECT_ROOT", str(checkout))  # paths.root_dir
     _hydra_main()
+
+
+def flag_problem(args) -> str | None:
+    """Hydra's two rules on combining flags, as one line (Hydra itself raises them with a traceback)."""
+    commands = args.run + args.multirun + args.shell_completion + (args.cfg is not None) + (args.info is not None)
+    if commands > 1:
+        return "error: use only one of --run, --multirun, --cfg, --info and --shell-completion"
+    if args.resolve and args.cfg is None and not args.help:
+        return "error: --resolve goes with --cfg (or --help)"
+    return None
 
 
 def _hydra_main() -> None:
