@@ -84,6 +84,7 @@ def main() -> None:
     import hydra
     from hydra.core.config_store import ConfigStore
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
     from omegaconf import OmegaConf
 
     try:
@@ -94,8 +95,8 @@ def main() -> None:
 
     @hydra.main(version_base="1.3", config_path=None, config_name=CONFIG_NAME)
     def _app(cfg) -> None:
-        # The folder Hydra made for this job: paths.output_dir itself, or paths.output_dir/N of a -m sweep.
-        cfg.paths.output_dir = HydraConfig.get().runtime.output_dir
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # job N of a sweep writes into paths.output_dir/N
+            cfg.paths.output_dir = HydraConfig.get().runtime.output_dir
         try:
             run(cfg)
         except DFlash2Error as e:

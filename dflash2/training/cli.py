@@ -9,7 +9,7 @@ errors raised as DFlash2Error during the run are printed as one line as well.
 Output folders: a run writes into `paths.output_dir`. Under `-m` that folder holds the
 whole sweep (`multirun.yaml`) and job N writes into `paths.output_dir/N`
 (`hydra.sweep` in configs/train.yaml); the job's `paths.output_dir` is set to its own
-folder, so every path derived from it follows.
+folder (Hydra's runtime.output_dir), so every path derived from it follows.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ def flag_problem(args) -> str | None:
 def _hydra_main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
     from omegaconf import DictConfig
 
     from dflash2.errors import DFlash2Error
@@ -68,8 +69,8 @@ def _hydra_main() -> None:
     def run(cfg: DictConfig) -> None:
         from dflash2.training.run import run_from_config
 
-        # The folder Hydra made for this job: paths.output_dir itself, or paths.output_dir/N of a -m sweep.
-        cfg.paths.output_dir = HydraConfig.get().runtime.output_dir
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # job N of a sweep writes into paths.output_dir/N
+            cfg.paths.output_dir = HydraConfig.get().runtime.output_dir
         try:
             run_from_config(cfg)
         except DFlash2Error as err:
