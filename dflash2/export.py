@@ -39,6 +39,7 @@ import torch
 
 from dflash2.drafter.config import DrafterConfig
 from dflash2.errors import DFlash2Error
+from dflash2.safe_load import UnsafeFileError, load_torch_file
 
 FORMATS = ("auto", "dflash", "dflash2")
 ARCHITECTURE = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
@@ -85,12 +86,12 @@ def read_source(source) -> DrafterSource:
         raise DFlash2Error(f"checkpoint {path} not found; pass a .ckpt, a run folder or an exported drafter folder")
     if path.is_file():
         return _read_ckpt(path)
-    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
-        return _read_folder(path)
+    if (path / "config.json").is_file() or (path / "model.safetensors").is_file():
+        return _read_folder(path)  # an exported folder, maybe missing a file: the folder check names it
     last = path / "checkpoints" / "last.ckpt"
     if last.is_file():
         return _read_ckpt(last)
-    if (path / "drafter" / "config.json").is_file():
+    if (path / "drafter").is_dir():
         src = _read_folder(path / "drafter")
         src.run_dir = path
         return src
@@ -101,8 +102,10 @@ def read_source(source) -> DrafterSource:
 
 
 def _read_ckpt(path: Path) -> DrafterSource:
-    try:  # our own training checkpoints hold non-tensor objects: only load files you trust
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    try:  # weights-only: a crafted pickle is refused before any of it runs
+        ckpt = load_torch_file(path)
+    except UnsafeFileError:
+        raise
     except Exception as e:
         raise DFlash2Error(f"could not read checkpoint {path} ({type(e).__name__}: {e}); pass an intact .ckpt") from e
     meta = ckpt.get("dflash2") if isinstance(ckpt, dict) else None
@@ -131,14 +134,11 @@ def _read_ckpt(path: Path) -> DrafterSource:
 def _read_folder(path: Path) -> DrafterSource:
     from safetensors.torch import load_file
 
-    from dflash2.drafter.io import _config_from_hf
+    from dflash2.drafter.folder_check import WEIGHTS_NAME, check_drafter_folder
 
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise DFlash2Error(f"{path / 'config.json'} is not valid JSON ({e}); re-export the drafter") from e
-    tensors = load_file(str(path / "model.safetensors"), device="cpu")
-    config = DrafterConfig.from_dict(cfg["dflash2"]) if "dflash2" in cfg else _config_from_hf(cfg, tensors, path)
+    folder = check_drafter_folder(path)  # files, config fields, key set: one line before any tensor is read
+    cfg, config = folder.raw_config, folder.config
+    tensors = load_file(str(path / WEIGHTS_NAME), device="cpu")
     recorded = {}
     zlab_ids = (cfg.get("dflash_config") or {}).get("target_layer_ids")
     if zlab_ids is not None:

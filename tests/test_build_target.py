@@ -169,7 +169,7 @@ def test_sigkilled_build_resumes_to_the_weights_of_an_uninterrupted_build(tmp_pa
     assert "[dflash2] resuming" not in log.read_text()
     assert not final.exists()
     assert sorted(p.name for p in work.iterdir()) == ["last.ckpt", "tokenizer.json"]  # no temp file left
-    assert torch.load(work / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 4
+    assert torch.load(work / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 4
 
     # The same build again (in-process): it resumes from step 4 and publishes the target.
     capsys.readouterr()
@@ -207,7 +207,7 @@ def test_build_resumed_early_in_its_epoch_sees_the_remaining_batches_in_order(
     work = build_work_dir(tmp_path / "cache" / "targets" / final.name)
     assert (
         not (tmp_path / "cache" / "targets" / final.name).exists()
-        and torch.load(work / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 2
+        and torch.load(work / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 2
     )
 
     capsys.readouterr()

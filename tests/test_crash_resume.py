@@ -59,7 +59,7 @@ def test_a_failed_checkpoint_write_leaves_the_previous_file_and_no_partial_one(t
     io = AtomicCheckpointIO()
     last = tmp_path / "checkpoints" / "last.ckpt"
     io.save_checkpoint({"global_step": 2, "w": torch.arange(4.0)}, last)
-    assert torch.load(last, weights_only=False)["global_step"] == 2
+    assert torch.load(last, weights_only=True)["global_step"] == 2
 
     real_save = torch.save
 
@@ -75,7 +75,7 @@ def test_a_failed_checkpoint_write_leaves_the_previous_file_and_no_partial_one(t
     monkeypatch.setattr(torch, "save", real_save)
 
     # The previous checkpoint is intact, the new name does not exist, and no temp file is left.
-    state = torch.load(last, weights_only=False)
+    state = torch.load(last, weights_only=True)
     assert state["global_step"] == 2 and torch.equal(state["w"], torch.arange(4.0))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.ckpt"]
 
@@ -125,7 +125,7 @@ def launch(overrides: list[str], log: Path) -> subprocess.Popen:
 
 def ckpt_step(path: Path) -> int | None:
     try:  # checkpoints are replaced atomically, so a file that exists always loads
-        return int(torch.load(path, map_location="cpu", weights_only=False)["global_step"])
+        return int(torch.load(path, map_location="cpu", weights_only=True)["global_step"])
     except FileNotFoundError:
         return None
 

@@ -230,3 +230,19 @@ def test_cli_user_error_is_one_line(saved, tmp_path, monkeypatch, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: drafter folder") and "\n" not in err
+
+
+def test_cli_damaged_drafter_folder_is_one_line_and_writes_nothing(saved, tmp_path, monkeypatch, capsys):
+    """A truncated model.safetensors (issue 12) used to end in a safetensors traceback from load_drafter."""
+    import shutil
+
+    drafter = shutil.copytree(saved["root"] / "drafter", tmp_path / "drafter")
+    weights = drafter / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        _cli(monkeypatch, f"target={saved['root'] / 'target'}", f"drafter={drafter}", f"paths.output_dir={out}")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: drafter weights file {weights} is corrupted or truncated") and "\n" not in err
+    assert not any((out / f).exists() for f in FILES)

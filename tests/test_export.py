@@ -113,6 +113,45 @@ def test_cli_writes_folder_and_reports_errors(tmp_path, micro_target_dir, capsys
     assert "dtype=bfloat16" in err and "unknown argument 'oot=x'" in err
 
 
+@pytest.mark.parametrize("how", ["touch", "shell"])
+def test_cli_refuses_a_crafted_checkpoint_without_running_it(tmp_path, micro_target_dir, capsys, how):
+    """A shared .ckpt whose pickle runs code (issue 12): refused in one line, the code never runs, nothing written."""
+    from conftest import crafted_checkpoint
+
+    ckpt, _ = fake_ckpt(tmp_path, drafter_config(micro_target_dir, True))
+    marker = tmp_path / "pwned"
+    crafted_checkpoint(ckpt, marker, torch.load(ckpt, weights_only=True), how=how)  # a valid checkpoint + payload
+    capsys.readouterr()
+    assert main([f"checkpoint={tmp_path / 'run'}", f"out={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {ckpt} was not loaded: ") and "could run code" in err and err.count("\n") == 1
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "no config fields", "a target folder"])
+def test_cli_checks_a_drafter_folder_first_and_writes_nothing(tmp_path, micro_target_dir, capsys, damage):
+    """Exporting a folder goes through the same folder check as load_drafter (issue 12)."""
+    import shutil
+
+    ckpt, _ = fake_ckpt(tmp_path, drafter_config(micro_target_dir, True))
+    folder = export_drafter(ckpt, tmp_path / "exported", dtype=torch.float32)
+    if damage == "truncated weights":
+        (folder / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes()[:-10])
+        needle = f"drafter weights file {folder / 'model.safetensors'} is corrupted or truncated"
+    elif damage == "no config fields":
+        (folder / "config.json").write_text(json.dumps({"architectures": ["DFlash2DraftModel"], "dflash_config": {}}))
+        needle = f"{folder / 'config.json'} has no 'target_layer_ids'"
+    else:
+        shutil.rmtree(folder)
+        folder = micro_target_dir
+        needle = f"{folder / 'config.json'} is not a DFlash drafter config"
+    capsys.readouterr()
+    assert main([f"checkpoint={folder}", f"out={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {needle}") and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
 def _expect_error(tmp_path, source, match, **kw):
     out = tmp_path / "out"
     with pytest.raises(DFlash2Error, match=match) as e:
@@ -125,7 +164,7 @@ def test_wrong_key_and_v2_weights_in_v1_format(tmp_path, micro_target_dir):
     cfg = drafter_config(micro_target_dir, True)
     ckpt, _ = fake_ckpt(tmp_path, cfg)
     _expect_error(tmp_path, ckpt, r"format=dflash but .*use format=dflash2", fmt="dflash")
-    data = torch.load(ckpt, weights_only=False)
+    data = torch.load(ckpt, weights_only=True)
     sd = data["state_dict"]
     sd["drafter.layers.0.self_attn.qproj.weight"] = sd.pop("drafter.layers.0.self_attn.q_proj.weight")
     torch.save(data, ckpt)
@@ -139,7 +178,7 @@ def test_wrong_key_and_v2_weights_in_v1_format(tmp_path, micro_target_dir):
 
 def test_wrong_shape(tmp_path, micro_target_dir):
     ckpt, _ = fake_ckpt(tmp_path, drafter_config(micro_target_dir, True))
-    data = torch.load(ckpt, weights_only=False)
+    data = torch.load(ckpt, weights_only=True)
     data["state_dict"]["drafter.candidate_selector.hidden_projection.weight"] = torch.zeros(9, 32)
     torch.save(data, ckpt)
     _expect_error(tmp_path, ckpt, r"'candidate_selector\.hidden_projection\.weight' has shape \(9, 32\).*\(8, 32\)")

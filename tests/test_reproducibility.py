@@ -235,7 +235,7 @@ def test_same_seed_and_config_give_the_same_target_data_drafter_and_tau(tmp_path
     )
     assert ca == cb
     # the last Lightning checkpoint: weights and optimizer state bitwise
-    ka, kb = (torch.load(r / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False) for r in (ra, rb))
+    ka, kb = (torch.load(r / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True) for r in (ra, rb))
     assert ka["global_step"] == kb["global_step"] == TRAIN_STEPS
     assert ka["state_dict"].keys() == kb["state_dict"].keys()
     assert all(torch.equal(ka["state_dict"][k], kb["state_dict"][k]) for k in ka["state_dict"])

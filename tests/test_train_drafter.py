@@ -66,6 +66,14 @@ def test_default_run_writes_every_artifact(trained_run):
     assert sorted(losses) == list(range(6)) and all(torch.isfinite(torch.tensor(v)) for v in losses.values())
 
 
+def test_checkpoints_hold_only_tensors_and_plain_data(trained_run):
+    """What lets every load be weights-only (issue 12): no class or function is pickled in a checkpoint."""
+    tmp, _ = trained_run
+    for ckpt in sorted((tmp / "run" / "checkpoints").iterdir()):
+        assert torch.serialization.get_unsafe_globals_in_checkpoint(str(ckpt)) == [], ckpt.name
+        assert torch.load(ckpt, map_location="cpu", weights_only=True)["dflash2"]["drafter_config"]["block_size"] == 8
+
+
 def test_measured_tau_is_logged_at_each_validation(trained_run):
     tmp, _ = trained_run
     with open(tmp / "run" / "csv" / "metrics.csv") as fh:
@@ -79,7 +87,7 @@ def test_measured_tau_is_logged_at_each_validation(trained_run):
 def test_saved_drafter_reloads_with_identical_logits(trained_run):
     tmp, _ = trained_run
     loaded = load_drafter(tmp / "run" / "drafter")
-    ckpt = torch.load(tmp / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    ckpt = torch.load(tmp / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     fresh = DFlashDrafter(DrafterConfig.from_dict(ckpt["dflash2"]["drafter_config"]))
     fresh.load_state_dict({k.removeprefix("drafter."): v for k, v in ckpt["state_dict"].items()})
     assert loaded.config.use_local_conv and loaded.config.use_selector
@@ -213,7 +221,7 @@ def test_nan_loss_stops_with_a_message_and_keeps_the_last_good_checkpoint(tmp_pa
     with pytest.raises(DFlash2Error, match=r"step 4.*last good checkpoint"):
         run_from_config(compose_run(tmp_path, micro_train_overrides))
     kept = tmp_path / "run" / "checkpoints" / "step000003.ckpt"
-    state = torch.load(kept, map_location="cpu", weights_only=False)
+    state = torch.load(kept, map_location="cpu", weights_only=True)
     assert state["global_step"] == 3
     assert all(torch.isfinite(v).all() for v in state["state_dict"].values())
     assert not (tmp_path / "run" / "drafter").exists()
@@ -240,6 +248,18 @@ def test_init_from_a_drafter_of_another_target_is_refused(
     with pytest.raises(DFlash2Error, match=needle):
         run_from_config(compose_run(tmp_path, [*micro_train_overrides, f"drafter.init_from={foreign}"]))
     assert not (tmp_path / "run" / "drafter").exists()
+
+
+def test_a_damaged_init_from_folder_is_refused_before_the_target_is_used(trained_run, micro_train_overrides, tmp_path):
+    import shutil
+
+    tmp, _ = trained_run
+    damaged = shutil.copytree(tmp / "run" / "drafter", tmp_path / "damaged")
+    (damaged / "model.safetensors").write_bytes((damaged / "model.safetensors").read_bytes()[:8])
+    with pytest.raises(DFlash2Error, match=r"damaged/model\.safetensors is corrupted or truncated") as err:
+        run_from_config(compose_run(tmp_path, [*micro_train_overrides, f"drafter.init_from={damaged}"]))
+    assert "\n" not in str(err.value)
+    assert not any((tmp_path / "run" / name).exists() for name in ("target", "drafter", "checkpoints"))
 
 
 def _truncated_copy(src: Path, dest: Path) -> Path:
@@ -281,6 +301,32 @@ def test_a_broken_or_foreign_ckpt_path_is_refused_before_any_work(
         run_from_config(compose_run(tmp_path, [*micro_train_overrides, f"ckpt_path={ckpt}"]))
     assert "\n" not in str(err.value) and str(ckpt) in str(err.value)
     assert not (tmp_path / "run" / "drafter").exists() and not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_train_py_refuses_a_crafted_ckpt_path_without_running_it(trained_run, micro_train_overrides, tmp_path):
+    """`python train.py ... ckpt_path=FILE` with a pickle that runs code (issue 12): one line, exit 2, the code
+    never runs, and the file is refused before the target is copied into the run."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, crafted_checkpoint, subprocess_env
+
+    tmp, _ = trained_run
+    marker = tmp_path / "pwned"
+    base = torch.load(tmp / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    crafted = crafted_checkpoint(tmp_path / "shared.ckpt", marker, base, how="shell")
+    run = tmp_path / "run"
+    args = [*micro_train_overrides, f"paths.output_dir={run}", f"ckpt_path={crafted}", f"hydra.run.dir={run}"]
+    out = subprocess.run(
+        [sys.executable, "train.py", *args], cwd=REPO, env=subprocess_env(), capture_output=True, text=True
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: ckpt_path refused: {crafted} was not loaded: ")
+    assert "posix.system" in lines[0] and "could run code" in lines[0]
+    assert not marker.exists()
+    left = {p.name for p in run.iterdir()}
+    assert not left & {"target", "checkpoints", "drafter", "run_summary.json", "train_summary.json"}, left
 
 
 def test_resuming_with_another_drafter_config_names_the_field(trained_run, micro_train_overrides, tmp_path):
@@ -342,7 +388,7 @@ def test_trained_run_exports_and_reloads_with_identical_drafts_and_tau(trained_r
         run / "checkpoints" / "last.ckpt", tmp_path / "export", dtype=torch.float32, target=str(micro_target_dir)
     )
     exported = load_drafter(out)
-    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     original = DFlashDrafter(DrafterConfig.from_dict(ckpt["dflash2"]["drafter_config"]))
     original.load_state_dict({k.removeprefix("drafter."): v for k, v in ckpt["state_dict"].items()})
     target = TargetModel.from_pretrained(str(micro_target_dir), target_layer_ids=[0, 1, 2])

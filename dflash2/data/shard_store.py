@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from dflash2.atomic_files import atomic_torch_save
+from dflash2.safe_load import load_torch_file
 
 SHARD_NAME = re.compile(r"batch-(\d{6})\.pt")
 
@@ -100,7 +101,7 @@ class ShardStore:
     def _read(self, index: int, prompt: torch.Tensor, response_tokens: int) -> Shard | None:
         path = self.path(index)
         try:
-            d = torch.load(path, map_location="cpu", weights_only=True)
+            d = load_torch_file(path)
             shard = Shard(int(d["index"]), d["prompt"], d["response"], d["generator_state"])
             valid = (
                 shard.index == index

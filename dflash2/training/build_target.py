@@ -43,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 from dflash2.corpus import corpus_fingerprint, load_documents
 from dflash2.errors import DFlash2Error
 from dflash2.oom import explain_oom, knob_hints
+from dflash2.safe_load import load_torch_file
 from dflash2.target_recipe import hybrid_target_config
 from dflash2.tokenizer import EOS_TOKEN, PAD_TOKEN, encode_documents, train_bpe_tokenizer, wrap_tokenizer
 from dflash2.training.atomic_checkpoint_io import AtomicCheckpointIO
@@ -164,7 +165,7 @@ def build_work_dir(final: Path) -> Path:
 def _checkpoint_step(path: Path) -> int | None:
     """`global_step` of a Lightning checkpoint, or None if it is missing or unreadable."""
     try:
-        return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["global_step"])
+        return int(load_torch_file(path, mmap=True)["global_step"])
     except FileNotFoundError:
         return None
     except Exception as err:  # written atomically, so this needs a damaged disk or a foreign file

@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from dflash2.errors import DFlash2Error
 from dflash2.target import check_target_source
 from dflash2.training.build_target import BUILD_INFO, ensure_target, format_target_report, publish_target
+from dflash2.training.preflight import check_drafter_files
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,8 @@ def run_from_config(cfg: DictConfig) -> dict:
     output_dir.mkdir(parents=True, exist_ok=True)
     if cfg.task not in ("target", "drafter"):
         raise DFlash2Error(f"task={cfg.task!r}: use task=drafter (default) or task=target")
+    if cfg.task == "drafter":  # seconds, before a target is built or copied into the run
+        check_drafter_files(cfg, output_dir)
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
     source = ensure_target(cfg)
     check_target_source(str(source))  # a damaged folder fails here, before it is copied into the run

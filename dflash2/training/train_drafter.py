@@ -25,6 +25,7 @@ from dflash2.training.preflight import (
     check_blocks_fit_the_data,
     check_resume_checkpoint,
     check_sequences_fit_the_context,
+    resolve_ckpt_path,
 )
 from dflash2.training.run import instantiate_callbacks, instantiate_loggers, regeneration_device
 
@@ -157,18 +158,6 @@ def trainable_rows(dataset, split: str):
             "raise data.response_tokens or check that the target does not stop at once"
         )
     return kept
-
-
-def resolve_ckpt_path(ckpt_path, output_dir: Path):
-    if not ckpt_path:
-        return None
-    path = output_dir / "checkpoints" / "last.ckpt" if str(ckpt_path) == "last" else Path(str(ckpt_path))
-    if not path.is_file():
-        raise DFlash2Error(
-            f"ckpt_path={ckpt_path}: no checkpoint file at {path}; "
-            "pass a .ckpt file or 'last' with the run's paths.output_dir"
-        )
-    return str(path)
 
 
 @torch.no_grad()
