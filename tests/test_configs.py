@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -71,6 +72,25 @@ def test_experiments_set_the_task(tmp_path):
     small = _compose(["experiment=target_small"], tmp_path)
     assert small.target.name == "small" and small.trainer.accelerator == "gpu"
     assert small.target.recipe.extra_sources[0].path == "site-packages"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["debug=fast_dev_run"],
+        ["drafter=dflash", "debug=fast_dev_run"],
+        ["experiment=drafter_small"],
+        ["experiment=drafter_small", "debug=fast_dev_run"],
+    ],
+)
+def test_shipped_drafter_runs_pass_the_block_preflight(overrides, tmp_path):
+    """`python train.py debug=fast_dev_run` once stopped here: 32 anchors in a 32-token response."""
+    from dflash2.training.preflight import check_blocks_fit_the_data
+
+    cfg = _compose(overrides, tmp_path)
+    block = SimpleNamespace(block_size=cfg.drafter.block_size)  # the only DrafterConfig field the check reads
+    check_blocks_fit_the_data(block, int(cfg.drafter.num_anchors), cfg.data)
 
 
 def test_unknown_override_is_one_line_error():
