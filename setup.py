@@ -7,8 +7,12 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
-# configs/ and each config group folder in it (configs/trainer -> dflash2.configs.trainer, ...).
-CONFIG_PACKAGES = ["dflash2.configs", *(f"dflash2.configs.{d.name}" for d in sorted(CONFIGS.iterdir()) if d.is_dir())]
+# configs/ and every folder below it (configs/trainer -> dflash2.configs.trainer,
+# configs/hydra/job_logging -> dflash2.configs.hydra.job_logging, ...).
+CONFIG_PACKAGES = [
+    "dflash2.configs",
+    *(f"dflash2.configs.{'.'.join(d.relative_to(CONFIGS).parts)}" for d in sorted(CONFIGS.rglob("*")) if d.is_dir()),
+]
 
 setup(
     # Only dflash2 is importable after install: eval/, runtime/, tests/ stay script folders of the repo.

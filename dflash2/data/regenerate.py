@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -36,10 +37,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from dflash2.corpus import corpus_fingerprint, load_documents
+from dflash2.corpus import corpus_fingerprint, load_documents, split_kwargs
 from dflash2.data.prompts import code_prompt_batches
 from dflash2.data.shard_store import Shard, ShardStore
 from dflash2.errors import DFlash2Error
+
+log = logging.getLogger(__name__)
 
 
 def target_fingerprint(name_or_path: str | Path) -> str:
@@ -155,10 +158,7 @@ def regenerate_split(
     if data["sampling"] not in ("greedy", "sample"):
         raise DFlash2Error(f"data.sampling={data['sampling']!r}: use 'greedy' or 'sample'")
     sources = data["sources"]
-    split_kw = {
-        "validation_fraction": float(data["validation_fraction"]),
-        "heldout_fraction": float(data["heldout_fraction"]),
-    }
+    split_kw = split_kwargs(data)
     settings = generation_settings(data, split, num_prompts, seed)
     key = hashlib.sha256(
         json.dumps(
@@ -231,10 +231,7 @@ def _generate_resumable(
     if done:
         # The state after the last saved batch: sampling continues as if never interrupted.
         generator.set_state(done[-1].generator_state)
-        print(
-            f"[dflash2] regeneration of {split}: resuming at batch {len(done)}/{len(prompts)} from {store.folder}",
-            flush=True,
-        )
+        log.info(f"regeneration of {split}: resuming at batch {len(done)}/{len(prompts)} from {store.folder}")
     responses = [shard.response for shard in done]
     steps = range(len(done), len(prompts))
     for i in tqdm(steps, initial=len(done), total=len(prompts), desc=f"regenerating {split} responses", unit="batch"):
