@@ -17,7 +17,7 @@ from conftest import REPO, subprocess_env
 import dflash2.config_dir as config_dir_module
 from dflash2.errors import DFlash2Error
 
-ENTRY_POINTS = ("dflash2-train", "dflash2-eval-acceptance", "dflash2-export")
+ENTRY_POINTS = ("dflash2-train", "dflash2-eval-acceptance", "dflash2-eval-speedup", "dflash2-export")
 
 
 def test_a_checkout_reads_its_own_configs():
@@ -98,6 +98,8 @@ def test_entry_points_of_a_regular_install_run_outside_the_tree(wheel, tmp_path)
     assert typo.returncode == 2 and typo.stderr.count("\n") == 1 and "'drafter/dflsh'" in typo.stderr
     eval_job = run(str(bin_dir / "dflash2-eval-acceptance"), "--cfg", "job", "num_prompts=3")
     assert eval_job.returncode == 0 and yaml.safe_load(eval_job.stdout)["num_prompts"] == 3
+    speedup_job = run(str(bin_dir / "dflash2-eval-speedup"), "--cfg", "job", "runs=2")
+    assert speedup_job.returncode == 0 and yaml.safe_load(speedup_job.stdout)["runs"] == 2
     export = run(str(bin_dir / "dflash2-export"), "--help")
     assert export.returncode == 0 and "dflash2-export checkpoint=PATH out=DIR" in export.stdout
     assert list(elsewhere.iterdir()) == []  # none of these runs a job

@@ -24,9 +24,9 @@ CONFIG_NAME = "eval_acceptance"
 JOB_LOGGING = "dflash2"
 
 
-def config_file() -> Path:
-    """eval_acceptance.yaml of the checkout's configs/ or of the installed package (dflash2/config_dir.py)."""
-    return config_dir() / f"{CONFIG_NAME}.yaml"
+def config_file(name: str = CONFIG_NAME) -> Path:
+    """configs/<name>.yaml of the checkout or of the installed package (dflash2/config_dir.py)."""
+    return config_dir() / f"{name}.yaml"
 
 
 def run(cfg) -> dict:
