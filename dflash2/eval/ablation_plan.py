@@ -12,9 +12,21 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash2.config_dir import source_checkout
 from dflash2.errors import DFlash2Error
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+
+def repo_root() -> Path:
+    """The source checkout whose ``train.py`` and ``eval/`` the runs start (an installed wheel has neither)."""
+    root = source_checkout()
+    if root is None:
+        raise DFlash2Error(
+            "the ablation starts `python train.py` and `python -m eval.acceptance` of a source checkout; "
+            "run it from a clone of the repository (with the package importable from it)"
+        )
+    return root
+
+
 # drafter config option (configs/drafter/<name>.yaml) -> what it is
 VARIANTS = {
     "dflash": "DFlash v1",
@@ -143,7 +155,7 @@ def record_or_check(settings: Settings) -> None:
 def prepare_command(settings: Settings) -> list[str]:
     return [
         sys.executable,
-        str(REPO_ROOT / "train.py"),
+        str(repo_root() / "train.py"),
         *settings.overrides,
         "task=data",
         f"seed={settings.data_seed}",
@@ -163,7 +175,7 @@ def train_command(settings: Settings, run: Run, target_dir: Path) -> list[str]:
     resume = ["ckpt_path=last"] if (run.dir / "checkpoints" / "last.ckpt").is_file() else []
     return [
         sys.executable,
-        str(REPO_ROOT / "train.py"),
+        str(repo_root() / "train.py"),
         *defaults,
         *(o for o in settings.overrides if override_key(o) != "target.path"),
         f"target.path={target_dir}",

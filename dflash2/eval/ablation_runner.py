@@ -20,15 +20,16 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from dflash2.errors import DFlash2Error
-from dflash2.eval.ablation_plan import REPO_ROOT, TIMES, Run, Settings, eval_command, prepare_command, train_command
+from dflash2.eval.ablation_plan import TIMES, Run, Settings, eval_command, prepare_command, repo_root, train_command
 
 log = logging.getLogger(__name__)
 
 
 def child_env(threads: int | None) -> dict[str, str]:
     """This checkout importable first in every child; ``threads`` CPU threads (None = the library default)."""
-    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "PROJECT_ROOT": str(REPO_ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    root = str(repo_root())
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "PROJECT_ROOT": root, "TOKENIZERS_PARALLELISM": "false"}
     if threads is not None:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     return env
