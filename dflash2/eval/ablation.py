@@ -75,7 +75,11 @@ def header(settings: Settings, argv: list[str], runs: list[Run], records: list[d
         ("machine", f"{platform.machine()}, {os.cpu_count()} CPUs, {settings.jobs} parallel runs"),
         ("training", f"`python train.py` default recipe + `{' '.join(settings.overrides) or '(no overrides)'}`"),
         ("training deterministic", determinism),
-        ("target and data", f"built once (data seed {settings.data_seed}): {settings.out / 'prepare'}"),
+        (
+            "target and data",
+            f"made once and shared by every run (target: `target.seed` build or `target.path`; data seed "
+            f"{settings.data_seed}): {settings.out / 'prepare'}",
+        ),
         ("seeds", ", ".join(str(s) for s in settings.seeds) + " (drafter init, batch order, anchors)"),
         (
             "evaluation",
@@ -115,7 +119,7 @@ def parse_args(argv: list[str]) -> Settings:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {','.join(VARIANTS)}")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="training runs at a time")
     parser.add_argument("--threads-per-run", type=int, default=1, help="CPU threads per run; 1 = bitwise reproducible")
-    parser.add_argument("--data-seed", type=int, default=0, help="seed of the shared target build and data")
+    parser.add_argument("--data-seed", type=int, default=0, help="seed of the shared regenerated data")
     parser.add_argument("--num-prompts", type=int, default=32, help="held-out prompts asked per evaluation")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=64, help="length of each held-out prompt")
