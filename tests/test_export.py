@@ -91,7 +91,12 @@ def test_round_trip_identical_drafts(tmp_path, micro_target_dir, micro_target, v
     assert loaded.config == drafter.config
     a = speculative_generate(micro_target, drafter, PROMPTS, max_new_tokens=12)
     b = speculative_generate(micro_target, loaded, PROMPTS, max_new_tokens=12)
-    assert a.sequences == b.sequences and a.accepted == b.accepted and a.mean_tau == b.mean_tau
+    assert (
+        a.sequences == b.sequences
+        and a.accepted_drafts == b.accepted_drafts
+        and a.emitted == b.emitted
+        and a.mean_tau == b.mean_tau
+    )
     assert all(len(s) == 12 for s in a.sequences)
 
     # re-exporting the exported folder (auto format, bf16 default, recorded target) works too

@@ -71,10 +71,12 @@ class ScriptedProposer:
 
 def _check_result(res: SpecResult, expected, block_size):
     assert res.sequences == expected
-    for acc, seq in zip(res.accepted, res.sequences):
-        assert all(0 <= a < block_size for a in acc)
-        # every step emits accepted + 1 tokens, except that the last one may be truncated
-        assert 1 + sum(a + 1 for a in acc[:-1]) < len(seq) <= 1 + sum(a + 1 for a in acc)
+    for accepted, emitted, seq in zip(res.accepted_drafts, res.emitted, res.sequences):
+        assert all(0 <= a < block_size for a in accepted)
+        # every step emits its accepted drafts + 1, except that EOS / max_new_tokens may cut the last one
+        assert emitted[:-1] == [a + 1 for a in accepted[:-1]]
+        assert not emitted or 1 <= emitted[-1] <= accepted[-1] + 1
+        assert len(seq) == 1 + sum(emitted)  # the prefill's token + what the verify steps emitted
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -88,7 +90,7 @@ def test_random_drafter_equals_greedy(spec_targets, make_spec_drafter, greedy_re
     n = N_TOKENS if block_size == 8 else 48
     res = speculative_generate(target, drafter, [PROMPTS[0]], max_new_tokens=n)
     _check_result(res, [greedy_refs[kind][0][len(PROMPTS[0]) :][:n]], block_size)
-    assert 0 in res.accepted[0]  # a random drafter has rejected steps
+    assert 0 in res.accepted_drafts[0]  # a random drafter has rejected steps
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -100,7 +102,7 @@ def test_scripted_drafters_equal_greedy_with_all_or_partial_acceptance(spec_targ
     proposer = ScriptedProposer(full, ["oracle", "partial"], block_size, target.vocab_size)
     res = speculative_generate(target, proposer, PROMPTS[:2], max_new_tokens=N_TOKENS)
     _check_result(res, [f[len(p) :][:N_TOKENS] for f, p in zip(full, PROMPTS)], block_size)
-    oracle, partial = res.accepted
+    oracle, partial = res.accepted_drafts
     assert oracle == [block_size - 1] * len(oracle)  # every draft accepted: τ = B
     assert len(oracle) == -(-(N_TOKENS - 1) // block_size)  # the prefill token + B per step
     assert {0, block_size - 1} <= set(partial)  # zero-accept and all-accept steps in one run
@@ -114,9 +116,9 @@ def test_wrong_drafter_accepts_nothing_in_a_ragged_batch(spec_targets, greedy_re
     proposer = ScriptedProposer(full, ["wrong", "oracle", "partial"], 4, target.vocab_size)
     res = speculative_generate(target, proposer, PROMPTS, max_new_tokens=33)
     _check_result(res, [f[len(p) :][:33] for f, p in zip(full, PROMPTS)], 4)
-    assert res.accepted[0] == [0] * 32  # τ = 1: the bonus (the target's own token) every step
-    assert res.accepted[1] == [3] * 8  # τ = B = 4
-    assert 0 < len(res.accepted[2]) < 32
+    assert res.accepted_drafts[0] == [0] * 32  # τ = 1: the bonus (the target's own token) every step
+    assert res.accepted_drafts[1] == [3] * 8  # τ = B = 4
+    assert 0 < len(res.accepted_drafts[2]) < 32
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -135,7 +137,8 @@ def test_eos_inside_a_block_stops_there(spec_targets, greedy_refs, kind):
     proposer = ScriptedProposer(greedy_refs[kind][:2], ["oracle", "partial"], B, target.vocab_size)
     res = speculative_generate(target, proposer, PROMPTS[:2], max_new_tokens=n, eos_token_id=[eos])
     assert res.sequences == expected
-    assert res.accepted[0][-1] == B - 1  # the block was fully accepted, then cut after EOS
+    assert res.accepted_drafts[0][-1] == B - 1  # the block was fully accepted, then cut after EOS
+    assert res.emitted[0][-1] == k - B * (res.steps[0] - 1) < B  # ... so the step emitted less than B
     assert res.steps[0] == -(-k // B)
 
 
@@ -150,6 +153,37 @@ def test_max_new_tokens_truncates_exactly(spec_targets, greedy_refs):
     proposer = ScriptedProposer(greedy_refs["qwen3"][:1], ["oracle"], 8, target.vocab_size)
     first_is_eos = speculative_generate(target, proposer, [PROMPTS[0]], max_new_tokens=50, eos_token_id=gen[0])
     assert first_is_eos.sequences == [[gen[0]]] and first_is_eos.steps == [0]
+
+
+# An oracle's every step could emit B tokens; a last step cut by max_new_tokens or EOS must count only
+# what it emitted (counting accepted + 1, as before, claims τ = B in both tests), the prefill's token not at all.
+@pytest.mark.parametrize("kind", KINDS)
+def test_tau_does_not_count_tokens_cut_by_max_new_tokens(spec_targets, greedy_refs, kind):
+    target, B = spec_targets[kind], 8
+    full = greedy_refs[kind][:1]
+    gen = full[0][len(PROMPTS[0]) :]
+    # 13, not a multiple of B: the prefill's token, a full step of 8, a last step cut to 4
+    proposer = ScriptedProposer(full, ["oracle"], B, target.vocab_size)
+    res = speculative_generate(target, proposer, [PROMPTS[0]], max_new_tokens=13)
+    assert res.sequences == [gen[:13]]
+    assert res.accepted_drafts == [[B - 1, B - 1]] and res.emitted == [[B, 4]]
+    assert res.mean_tau == (13 - 1) / 2 == 6.0
+
+
+def test_tau_does_not_count_tokens_cut_by_eos(spec_targets, greedy_refs):
+    target, B = spec_targets["qwen3_5"], 8  # its greedy output is diverse: an EOS can sit deep in a block
+    full = greedy_refs["qwen3_5"][:1]
+    gen = full[0][len(PROMPTS[0]) :]
+    # EOS = gen[k] at its first occurrence, inside a block after the first: full steps of B, then a
+    # last step cut right after the EOS
+    k = max(k for k in range(B + 1, 100) if gen[k] not in gen[:k] and k % B not in (0, 1))
+    steps = -(-k // B)
+    proposer = ScriptedProposer(full, ["oracle"], B, target.vocab_size)
+    res = speculative_generate(target, proposer, [PROMPTS[0]], max_new_tokens=k + 2 * B, eos_token_id=gen[k])
+    assert res.sequences == [gen[: k + 1]]
+    assert res.accepted_drafts == [[B - 1] * steps]
+    assert res.emitted == [[B] * (steps - 1) + [k - B * (steps - 1)]]
+    assert steps >= 2 and res.mean_tau == k / steps < B
 
 
 def test_random_drafter_batch_equals_greedy(spec_targets, make_spec_drafter, greedy_refs):

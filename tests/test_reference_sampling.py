@@ -172,7 +172,7 @@ def test_speculative_sampling_follows_the_target_end_to_end(make_spec_target, ma
         generator=torch.Generator().manual_seed(5),
     )
     out = torch.tensor(res.sequences)  # (n, 2)
-    accepted = torch.tensor([acc[0] for acc in res.accepted])
+    accepted = torch.tensor([acc[0] for acc in res.accepted_drafts])
     assert (accepted == 0).any() and (accepted > 0).any()  # both the residual and the accepted path ran
     assert chi2_pvalue(out[:, 0], p1) > PASS
     assert chi2_pvalue(out[:, 1], joint.sum(0)) > PASS

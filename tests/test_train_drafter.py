@@ -347,5 +347,10 @@ def test_trained_run_exports_and_reloads_with_identical_drafts_and_tau(trained_r
     prompts = [target.tokenizer(t)["input_ids"] for t in ("import os\n", "def main(args):\n    ", "class A:\n")]
     a = speculative_generate(target, original.eval(), prompts, max_new_tokens=24)
     b = speculative_generate(target, exported.eval(), prompts, max_new_tokens=24)
-    assert a.sequences == b.sequences and a.accepted == b.accepted and a.mean_tau == b.mean_tau
+    assert (
+        a.sequences == b.sequences
+        and a.accepted_drafts == b.accepted_drafts
+        and a.emitted == b.emitted
+        and a.mean_tau == b.mean_tau
+    )
     assert (out / "README.md").exists() and "DFlash2DraftModel" in (out / "config.json").read_text()
