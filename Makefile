@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install train test test-fast test-vllm
+.PHONY: install train test lint format test-fast test-vllm
 
 install:
 	@if [ -n "$(TORCH)" ]; then $(PYTHON) -m pip install -q "$(TORCH)"; fi
@@ -18,8 +18,18 @@ install:
 train: install
 	$(PYTHON) train.py $(ARGS)
 
-test: install
+test: install lint
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+
+# Lint + format check (ruff, configured in pyproject.toml); part of `make test`, so CI enforces it.
+# `make format` rewrites the tree in place.
+lint:
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+format:
+	$(PYTHON) -m ruff format .
+	$(PYTHON) -m ruff check --fix .
 
 # Everything but the tests marked slow (for a quick local loop; CI runs `make test`).
 test-fast:

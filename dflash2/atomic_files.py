@@ -7,6 +7,7 @@ training package (checkpoints) share one implementation.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from pathlib import Path
@@ -29,10 +30,8 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
     fsync_dir(path.parent)
 

@@ -466,15 +466,20 @@ def model_card(config: DrafterConfig, fmt: str, info: dict, source: DrafterSourc
             f"{config.conv_kernel_size}, group {config.conv_group_size}), candidate selector "
             f"{'on' if config.use_selector else 'off'} (rank {config.selector_rank}, top-k {config.selector_top_k})\n"
         )
+    checked = "yes" if info["target_checked"] else "no, not available locally"
+    shape = (
+        f"Block size {B}, {config.num_hidden_layers} layer(s), hidden {config.hidden_size}, "
+        f"mask_token_id {config.mask_token_id}, rope_theta {config.rope_theta} (neox-style)"
+    )
     return f"""# {info["architecture"]} drafter
 
 Exported by `python -m dflash2.export` ({fmt} format, {info["dtype"]} weights).
 
-- Target: `{info["target"]}` (checked against the target's config at export: {"yes" if info["target_checked"] else "no, not available locally"})
+- Target: `{info["target"]}` (checked against the target's config at export: {checked})
 - Source: `{info["source"]}`; training steps: {info["steps"] if info["steps"] is not None else "not recorded"}
 - Training data: {_data_summary(source)}
 - Measured τ (mean tokens per verify step incl. bonus, dflash2.eval.acceptance): {tau_line}
-- Block size {B}, {config.num_hidden_layers} layer(s), hidden {config.hidden_size}, mask_token_id {config.mask_token_id}, rope_theta {config.rope_theta} (neox-style)
+- {shape}
 {v2}
 ## Layer-id convention
 

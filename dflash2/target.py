@@ -73,11 +73,8 @@ def default_target_layer_ids(num_layers: int, num_taps: int = 5) -> list[int]:
     if not isinstance(num_taps, numbers.Integral) or num_taps < 1:
         raise DFlash2Error(f"num_taps must be a positive integer, got {num_taps!r}; use 5 (the §2 default)")
     start, end = (1, num_layers - 3) if num_layers - 3 >= 1 else (0, max(num_layers - 2, 0))
-    if num_taps == 1:
-        points = [float(start)]
-    else:
-        points = [start + (end - start) * i / (num_taps - 1) for i in range(num_taps)]
-    return list(dict.fromkeys(int(round(p)) for p in points))  # dedupe, keep order
+    points = [float(start)] if num_taps == 1 else [start + (end - start) * i / (num_taps - 1) for i in range(num_taps)]
+    return list(dict.fromkeys(round(p) for p in points))  # dedupe, keep order
 
 
 def validate_target_layer_ids(ids: Any, num_layers: int) -> list[int]:

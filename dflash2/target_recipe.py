@@ -22,7 +22,8 @@ def hybrid_layer_types(num_layers: int, full_attention_interval: int = 4) -> lis
     """
     if num_layers < 1 or full_attention_interval < 1:
         raise DFlash2Error(
-            f"target recipe needs num_hidden_layers >= 1 and full_attention_interval >= 1 (got {num_layers}, {full_attention_interval})"
+            "target recipe needs num_hidden_layers >= 1 and full_attention_interval >= 1 "
+            f"(got {num_layers}, {full_attention_interval})"
         )
     return [
         "full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention" for i in range(num_layers)

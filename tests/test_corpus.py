@@ -141,7 +141,7 @@ def test_dir_reads_non_utf8_skips_empty_hidden_and_caches(tmp_path):
 
 def test_dir_errors_name_the_folder(tmp_path):
     missing = tmp_path / "nope"
-    with pytest.raises(DFlash2Error, match="nope.*does not exist"):
+    with pytest.raises(DFlash2Error, match=r"nope.*does not exist"):
         load_documents([{"kind": "dir", "path": str(missing)}])
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -152,7 +152,7 @@ def test_dir_errors_name_the_folder(tmp_path):
 def test_bad_source_configs_raise_clear_errors(tmp_path):
     with pytest.raises(DFlash2Error, match="valid kinds: stdlib, dir, hf"):
         load_documents([{"kind": "github"}])
-    with pytest.raises(DFlash2Error, match="unknown keys.*'glb'"):
+    with pytest.raises(DFlash2Error, match=r"unknown keys.*'glb'"):
         load_documents([{"kind": "dir", "path": str(tmp_path), "glb": "*.py"}])
     with pytest.raises(DFlash2Error, match="unknown split"):
         load_documents(STDLIB, "test")
@@ -197,25 +197,25 @@ def test_hf_local_jsonl_loads_and_splits(tmp_path, hf_cache):
 def test_hf_jsonl_bad_line_is_reported_with_its_number(tmp_path, hf_cache):
     path = tmp_path / "broken.jsonl"
     path.write_text('{"text": "a"}\n{"text": "b"}\n{"text": "c\n{"text": "d"}\n')
-    with pytest.raises(DFlash2Error, match="broken.jsonl.*line 3"):
+    with pytest.raises(DFlash2Error, match=r"broken\.jsonl.*line 3"):
         load_documents([{"kind": "hf", "path": str(path)}])
 
 
 def test_hf_missing_text_field_lists_columns(tmp_path, hf_cache):
     path = tmp_path / "rows.jsonl"
     path.write_text('{"content": "a", "lang": "py"}\n')
-    with pytest.raises(DFlash2Error, match="no column 'text'.*content.*lang"):
+    with pytest.raises(DFlash2Error, match=r"no column 'text'.*content.*lang"):
         load_documents([{"kind": "hf", "path": str(path)}])
     docs = load_documents([{"kind": "hf", "path": str(path), "text_field": "content"}])
     assert [d.text for d in docs] == ["a"]
 
 
 def test_hf_missing_local_file_and_unreachable_hub(tmp_path, hf_cache, monkeypatch):
-    with pytest.raises(DFlash2Error, match="gone.jsonl.*does not exist"):
+    with pytest.raises(DFlash2Error, match=r"gone\.jsonl.*does not exist"):
         load_documents([{"kind": "hf", "path": str(tmp_path / "gone.jsonl")}])
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(pytest.importorskip("datasets").config, "HF_HUB_OFFLINE", True, raising=False)
-    with pytest.raises(DFlash2Error, match="hub.*local"):
+    with pytest.raises(DFlash2Error, match=r"hub.*local"):
         load_documents([{"kind": "hf", "path": "dflash2-no-such-owner/no-such-dataset"}])
 
 

@@ -84,7 +84,8 @@ def test_a_failed_checkpoint_write_leaves_the_previous_file_and_no_partial_one(t
 
 MAX_STEPS = 8
 EVERY = 2
-HOLD = 5  # killed before step index 5: step 4 trained after the step-4 checkpoint is lost, step 6's checkpoint never written
+# killed before step index 5: step 4 trained after the step-4 checkpoint is lost, step 6's checkpoint never written
+HOLD = 5
 
 
 def run_overrides(
@@ -133,7 +134,8 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     path = run_dir / "csv" / "metrics.csv"
     if not path.exists():
         return {}
-    rows = list(csv.DictReader(open(path)))
+    with open(path) as fh:
+        rows = list(csv.DictReader(fh))
     return {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
 
 

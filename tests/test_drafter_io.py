@@ -118,7 +118,7 @@ def test_renamed_key_and_missing_folder_raise(tmp_path):
     with pytest.raises(DFlash2Error, match="not found"):
         load_drafter(tmp_path / "nope")
     (out / "model.safetensors").unlink()
-    with pytest.raises(DFlash2Error, match="model.safetensors"):
+    with pytest.raises(DFlash2Error, match=r"model\.safetensors"):
         load_drafter(out)
 
 

@@ -23,15 +23,15 @@ def toy(N=4, P=3, seed=1):
     return torch.randn(N, P, D, generator=g), torch.randn(N, P, V, generator=g), torch.randint(0, V, (N,), generator=g)
 
 
-def edge(sel, hidden, logits, n, l, pred, cand):
-    """score(l, pred -> cand) written out from the formula."""
-    hh = sel.hidden_projection.weight @ hidden[n, l]
-    return logits[n, l, cand] + (sel.predecessor_codebook[pred] * hh * sel.successor_codebook[cand]).sum()
+def edge(sel, hidden, logits, n, pos, pred, cand):
+    """score(pos, pred -> cand) written out from the formula."""
+    hh = sel.hidden_projection.weight @ hidden[n, pos]
+    return logits[n, pos, cand] + (sel.predecessor_codebook[pred] * hh * sel.successor_codebook[cand]).sum()
 
 
 def test_edge_scores_formula_and_shapes():
     sel = make()
-    hidden, logits, anchor = toy()
+    hidden, logits, _ = toy()
     cand, unary = sel.candidates(logits)
     assert cand.shape == unary.shape == (4, 3, 3)
     assert torch.equal(unary, logits.gather(-1, cand))
@@ -52,10 +52,10 @@ def test_greedy_matches_stepwise_bruteforce():
     cand, _ = sel.candidates(logits)
     for n in range(4):
         pred = anchor[n]
-        for l in range(5):
-            scores = torch.stack([edge(sel, hidden, logits, n, l, pred, c) for c in cand[n, l]])
-            pred = cand[n, l, scores.argmax()]
-            assert path[n, l] == pred
+        for pos in range(5):
+            scores = torch.stack([edge(sel, hidden, logits, n, pos, pred, c) for c in cand[n, pos]])
+            pred = cand[n, pos, scores.argmax()]
+            assert path[n, pos] == pred
 
 
 @torch.no_grad()
@@ -76,16 +76,16 @@ def test_viterbi_matches_bruteforce_over_all_paths():
     for n in range(4):
         best, best_path = -float("inf"), None
         for combo in itertools.product(range(3), repeat=3):
-            toks = [cand[n, l, c] for l, c in enumerate(combo)]
-            preds = [anchor[n]] + toks[:-1]
-            tot = sum(float(edge(sel, hidden, logits, n, l, preds[l], toks[l])) for l in range(3))
+            toks = [cand[n, pos, c] for pos, c in enumerate(combo)]
+            preds = [anchor[n], *toks[:-1]]
+            tot = sum(float(edge(sel, hidden, logits, n, pos, preds[pos], toks[pos])) for pos in range(3))
             if tot > best:
                 best, best_path = tot, toks
         assert path[n].tolist() == [int(t) for t in best_path]
         # greedy's path can never beat the exact optimum
         g = sel.greedy_path(hidden, logits, anchor)[n]
-        g_preds = [anchor[n]] + list(g[:-1])
-        g_tot = sum(float(edge(sel, hidden, logits, n, l, g_preds[l], g[l])) for l in range(3))
+        g_preds = [anchor[n], *g[:-1]]
+        g_tot = sum(float(edge(sel, hidden, logits, n, pos, g_preds[pos], g[pos])) for pos in range(3))
         assert g_tot <= best + 1e-5
 
 

@@ -5,6 +5,7 @@ import importlib
 import json
 import logging
 import sys
+from itertools import pairwise
 
 import pytest
 import torch
@@ -58,7 +59,7 @@ def test_writes_all_files_and_is_lossless(saved, tmp_path, caplog):
     # τ statistics are consistent with each other
     hist, rates = res["accepted_drafts_histogram"], res["per_position_acceptance"]
     assert len(hist) == 4 and len(rates) == 3 and sum(hist) == res["steps"] > 0
-    assert all(r1 >= r2 for r1, r2 in zip(rates, rates[1:]))  # position k needs 1..k-1 accepted
+    assert all(r1 >= r2 for r1, r2 in pairwise(rates))  # position k needs 1..k-1 accepted
     assert res["mean_accepted_drafts"] == pytest.approx(sum(rates))
     assert res["mean_accepted_drafts"] == pytest.approx(sum(k * c for k, c in enumerate(hist)) / res["steps"])
     # τ: tokens the verify steps emitted (all but each prompt's prefill token) per step

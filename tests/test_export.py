@@ -72,7 +72,7 @@ def fake_ckpt(tmp_path, cfg: DrafterConfig, seed: int = 0, name: str = "run"):
 
 @pytest.mark.parametrize("v2", [False, True])
 def test_round_trip_identical_drafts(tmp_path, micro_target_dir, micro_target, v2):
-    ckpt, drafter = fake_ckpt(tmp_path, drafter_config(micro_target_dir, v2))
+    _, drafter = fake_ckpt(tmp_path, drafter_config(micro_target_dir, v2))
     (tmp_path / "run" / "eval").mkdir()
     (tmp_path / "run" / "eval" / "results.json").write_text(json.dumps({"mean_tau": 2.5}))
     out = export_drafter(tmp_path / "run", tmp_path / "export", dtype=torch.float32, target=str(micro_target_dir))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -94,7 +95,7 @@ def test_train_and_measure_tau_notebook():
     assert s["steps"] == 6  # trainer.max_steps of the notebook's micro run
     rates = s["per_position_acceptance"]
     assert len(rates) == B - 1 and all(0.0 <= r <= 1.0 for r in rates)
-    assert all(a >= b for a, b in zip(rates, rates[1:])), "per-position acceptance must be non-increasing"
+    assert all(a >= b for a, b in pairwise(rates)), "per-position acceptance must be non-increasing"
     assert s["tau"] == pytest.approx(1.0 + sum(rates))
     assert s["verify_steps"] > 0
 

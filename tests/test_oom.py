@@ -27,9 +27,12 @@ def test_other_errors_pass_through_unchanged():
 @pytest.mark.cuda
 def test_a_real_cuda_allocation_failure_is_explained():
     """On the GPU: an impossible allocation (1 PiB) raises the class explain_oom catches, and the cache is released."""
-    with pytest.raises(
-        DFlash2Error, match=r"^out of GPU memory during drafter training; lower one of data.batch_size=8, or free"
-    ) as err, explain_oom("drafter training", ["data.batch_size=8"]):
+    with (
+        pytest.raises(
+            DFlash2Error, match=r"^out of GPU memory during drafter training; lower one of data.batch_size=8, or free"
+        ) as err,
+        explain_oom("drafter training", ["data.batch_size=8"]),
+    ):
         torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
     assert isinstance(err.value.__cause__, torch.cuda.OutOfMemoryError)
     torch.ones(16, device="cuda")  # the device is still usable afterwards

@@ -158,7 +158,7 @@ def test_speculative_sampling_follows_the_target_end_to_end(make_spec_target, ma
     params = SamplingParams(0.8, top_k=6)
     prompt, n = [1, 2, 3, 4], 800  # 800 rows: ~2 target forwards each; the direct test has 40k
     p1 = warp_probs(target(torch.tensor([prompt])).logits[0, -1], params)  # (V,)
-    both = torch.tensor([prompt + [x] for x in range(V)])
+    both = torch.tensor([[*prompt, x] for x in range(V)])
     p2_given = warp_probs(target(both).logits[:, -1], params)  # (V, V): row x1 -> p(x2 | x1)
     joint = p1[:, None] * p2_given  # (V, V)
 

@@ -155,7 +155,8 @@ def assert_safetensors_bitwise_equal(a: Path, b: Path) -> None:
 
 
 def metric_rows(run_dir: Path) -> list[dict]:
-    rows = list(csv.DictReader(open(run_dir / "csv" / "metrics.csv")))
+    with open(run_dir / "csv" / "metrics.csv") as fh:
+        rows = list(csv.DictReader(fh))
     return [{k: v for k, v in r.items() if not k.endswith(TIMING_SUFFIXES)} for r in rows]
 
 

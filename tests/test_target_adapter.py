@@ -204,7 +204,8 @@ def test_nonexistent_path_names_it(tmp_path):
 def test_folder_without_weights(saved, tmp_path):
     folder = tmp_path / "cfg_only"
     folder.mkdir()
-    (folder / "config.json").write_text(open(os.path.join(saved["llama"], "config.json")).read())
+    with open(os.path.join(saved["llama"], "config.json")) as src:
+        (folder / "config.json").write_text(src.read())
     with pytest.raises(DFlash2Error, match="has no weights") as err:
         TargetModel.from_pretrained(str(folder))
     assert str(folder) in str(err.value)
@@ -219,7 +220,8 @@ def test_truncated_safetensors_is_named(saved, tmp_path):
     folder = tmp_path / "truncated"
     folder.mkdir()
     for f in os.listdir(saved["llama"]):
-        (folder / f).write_bytes(open(os.path.join(saved["llama"], f), "rb").read())
+        with open(os.path.join(saved["llama"], f), "rb") as src:
+            (folder / f).write_bytes(src.read())
     weights = folder / "model.safetensors"
     with open(weights, "r+b") as fh:
         fh.truncate(os.path.getsize(weights) // 2)

@@ -57,7 +57,7 @@ def test_drafter_of_another_tokenizer_is_refused(two_tokenizers, make_spec_targe
     check_drafter_matches_target(config, target)  # its own target passes
 
     target.tokenizer = second  # same vocab size, widths and taps: only the tokenizer differs
-    with pytest.raises(DFlash2Error, match="trained for another target .*tokenizer fingerprint") as err:
+    with pytest.raises(DFlash2Error, match=r"trained for another target .*tokenizer fingerprint") as err:
         check_drafter_matches_target(config, target)
     assert "\n" not in str(err.value)
     # A drafter from elsewhere that records no tokenizer is judged on sizes alone.

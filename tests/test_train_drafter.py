@@ -31,7 +31,8 @@ def compose_run(tmp_path: Path, overrides: list[str], name: str = "run"):
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:
-    rows = list(csv.DictReader(open(run_dir / "csv" / "metrics.csv")))
+    with open(run_dir / "csv" / "metrics.csv") as fh:
+        rows = list(csv.DictReader(fh))
     return {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
 
 
@@ -67,7 +68,8 @@ def test_default_run_writes_every_artifact(trained_run):
 
 def test_measured_tau_is_logged_at_each_validation(trained_run):
     tmp, _ = trained_run
-    rows = list(csv.DictReader(open(tmp / "run" / "csv" / "metrics.csv")))
+    with open(tmp / "run" / "csv" / "metrics.csv") as fh:
+        rows = list(csv.DictReader(fh))
     measured = {int(r["step"]): float(r["val/tau_measured"]) for r in rows if r.get("val/tau_measured")}
     estimated = {int(r["step"]): float(r["val/tau_estimate"]) for r in rows if r.get("val/tau_estimate")}
     assert sorted(measured) == sorted(estimated) and len(measured) == 2  # validations at steps 3 and 6
@@ -190,7 +192,7 @@ def test_data_without_any_anchor_is_empty_after_filtering(tmp_path, micro_train_
 
     monkeypatch.setattr(regenerate_mod, "generate_responses", eos_at_once)
     own_cache = f"paths.cache_dir={tmp_path / 'own_cache'}"  # this fake data must not reach the session's shared cache
-    with pytest.raises(DFlash2Error, match="the train data is empty after filtering.*data.response_tokens") as err:
+    with pytest.raises(DFlash2Error, match=r"the train data is empty after filtering.*data\.response_tokens") as err:
         run_from_config(compose_run(tmp_path, [*micro_train_overrides, own_cache]))
     assert "\n" not in str(err.value)
     assert not (tmp_path / "run" / "drafter").exists()
@@ -208,7 +210,7 @@ def test_nan_loss_stops_with_a_message_and_keeps_the_last_good_checkpoint(tmp_pa
         return out
 
     monkeypatch.setattr(DrafterTrainingModule, "block_outputs", poisoned)
-    with pytest.raises(DFlash2Error, match="step 4.*last good checkpoint"):
+    with pytest.raises(DFlash2Error, match=r"step 4.*last good checkpoint"):
         run_from_config(compose_run(tmp_path, micro_train_overrides))
     kept = tmp_path / "run" / "checkpoints" / "step000003.ckpt"
     state = torch.load(kept, map_location="cpu", weights_only=False)
@@ -284,7 +286,7 @@ def test_a_broken_or_foreign_ckpt_path_is_refused_before_any_work(
 def test_resuming_with_another_drafter_config_names_the_field(trained_run, micro_train_overrides, tmp_path):
     tmp, _ = trained_run
     ckpt = tmp / "run" / "checkpoints" / "last.ckpt"
-    with pytest.raises(DFlash2Error, match="another drafter config .*num_hidden_layers: checkpoint 1 vs now 2") as err:
+    with pytest.raises(DFlash2Error, match=r"another drafter config .*num_hidden_layers: checkpoint 1 vs now 2") as err:
         run_from_config(
             compose_run(tmp_path, [*micro_train_overrides, "drafter.num_hidden_layers=2", f"ckpt_path={ckpt}"])
         )

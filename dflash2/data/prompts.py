@@ -2,10 +2,10 @@
 
 Code corpora: a prompt is a file's prefix of random length (in tokens), so the
 target continues real code from a real point. (Chat datasets, whose prompts are
-the user turns, are not wired into training yet.) Prompts are grouped so that every batch of `batch_size` prompts shares one
-length: batched generation then needs no padding, which matters for hybrid
-GDN targets whose recurrent layers would otherwise fold pad tokens into their
-state.
+the user turns, are not wired into training yet.) Prompts are grouped so that
+every batch of `batch_size` prompts shares one length: batched generation then
+needs no padding, which matters for hybrid GDN targets whose recurrent layers
+would otherwise fold pad tokens into their state.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def code_prompt_batches(
         if len(rows) < n:
             if length == min_tokens:
                 raise DFlash2Error(
-                    f"no document has at least data.prompt_min_tokens={min_tokens} tokens; lower it or add corpus sources"
+                    f"no document has at least data.prompt_min_tokens={min_tokens} tokens; "
+                    "lower it or add corpus sources"
                 )
             max_tokens = max(min_tokens, length - 1)  # no document this long: draw shorter prompts
             continue

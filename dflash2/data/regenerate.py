@@ -202,7 +202,8 @@ def regenerate_split(
     rows = _dataset_rows(prompts, responses, eos, pad)
     if not any(any(m) for m in rows["loss_mask"]):
         raise DFlash2Error(
-            f"regeneration of split '{split}' produced no response tokens (the target emits EOS at once?); check the target"
+            f"regeneration of split '{split}' produced no response tokens "
+            "(the target emits EOS at once?); check the target"
         )
     dataset = datasets.Dataset.from_dict(rows)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"

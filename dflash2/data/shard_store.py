@@ -117,7 +117,8 @@ class ShardStore:
             return None
         if not valid:
             print(
-                f"[dflash2] discarding regeneration shard {path}: made for other prompts or settings; it is regenerated",
+                f"[dflash2] discarding regeneration shard {path}: made for other prompts or settings; "
+                "it is regenerated",
                 flush=True,
             )
             return None
@@ -131,7 +132,4 @@ def _unlink(path: Path) -> None:
     if path.is_dir():
         shutil.rmtree(path, ignore_errors=True)
         return
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
+    path.unlink(missing_ok=True)

@@ -155,7 +155,7 @@ class SpecResult:
 def _rows(prompt_ids, device) -> list[torch.Tensor]:
     """(N, P) tensor or list of lists -> list of 1-D long tensors (each non-empty)."""
     if isinstance(prompt_ids, torch.Tensor):
-        rows = [r for r in (prompt_ids[None] if prompt_ids.dim() == 1 else prompt_ids)]
+        rows = list(prompt_ids[None] if prompt_ids.dim() == 1 else prompt_ids)
     else:
         rows = [torch.as_tensor(list(r), dtype=torch.long) for r in prompt_ids]
     if not rows:
@@ -272,7 +272,7 @@ def speculative_generate(
             snap = snapshot(caches[n], target.layer_types)  # GDN clones; just the length for attention
             out = target(block, past_key_values=caches[n], use_cache=True)
             a, nxt = _accept(out.logits[0], drafts[n], None if q is None else q[n], params, generator)
-            tokens, done = _finish(drafts[n, :a].tolist() + [nxt], max_new_tokens - len(seqs[n]), eos)
+            tokens, done = _finish([*drafts[n, :a].tolist(), nxt], max_new_tokens - len(seqs[n]), eos)
             seqs[n] += tokens
             accepted_drafts[n].append(a)  # before the cut: what the target accepted
             emitted[n].append(len(tokens))  # after the cut: what the output gained

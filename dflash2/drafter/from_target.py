@@ -18,19 +18,21 @@ def drafter_config_for_target(settings: dict, target) -> DrafterConfig:
     hidden = settings.get("hidden_size") or target.hidden_size
     if hidden != target.hidden_size:
         raise DFlash2Error(
-            f"drafter.hidden_size={hidden} but the target's hidden size is {target.hidden_size}; the drafter shares the "
-            f"target's embedding and LM head, so set drafter.hidden_size=null"
+            f"drafter.hidden_size={hidden} but the target's hidden size is {target.hidden_size}; "
+            "the drafter shares the target's embedding and LM head, so set drafter.hidden_size=null"
         )
     mask_id = settings.get("mask_token_id")
     if mask_id is None and target.tokenizer is not None:
         mask_id = target.tokenizer.mask_token_id
     if mask_id is None:
         raise DFlash2Error(
-            "the target's tokenizer has no mask token; set drafter.mask_token_id to an unused id inside the target vocab"
+            "the target's tokenizer has no mask token; "
+            "set drafter.mask_token_id to an unused id inside the target vocab"
         )
     if not 0 <= int(mask_id) < target.vocab_size:
         raise DFlash2Error(
-            f"mask_token_id={mask_id} is outside the target vocab [0, {target.vocab_size}); pick an unused id below {target.vocab_size}"
+            f"mask_token_id={mask_id} is outside the target vocab [0, {target.vocab_size}); "
+            f"pick an unused id below {target.vocab_size}"
         )
     heads = int(settings["num_attention_heads"])
     rope_theta = settings.get("rope_theta") or _target_rope_theta(tcfg)
@@ -79,11 +81,13 @@ def check_drafter_matches_target(config: DrafterConfig, target) -> None:
     recorded = config.target_tokenizer_fingerprint
     if recorded and target.tokenizer is not None and tokenizer_fingerprint(target.tokenizer) != recorded:
         problems.append(
-            f"tokenizer fingerprint {recorded} vs target {tokenizer_fingerprint(target.tokenizer)}: same ids mean other tokens"
+            f"tokenizer fingerprint {recorded} vs target {tokenizer_fingerprint(target.tokenizer)}: "
+            "same ids mean other tokens"
         )
     if problems:
         raise DFlash2Error(
-            f"drafter was trained for another target ({'; '.join(problems)}); use the target it was trained with or train a new drafter"
+            f"drafter was trained for another target ({'; '.join(problems)}); "
+            "use the target it was trained with or train a new drafter"
         )
 
 

@@ -182,27 +182,27 @@ class ContextCache:
 
     @torch.no_grad()
     def append(self, drafter: DFlashDrafter, new_context, positions, num_valid=None):
-        """new_context (N, l, d) fused context (``drafter.fuse_context``), positions (N, l)
-        absolute positions, num_valid (N,) long: how many of the l entries are real for
-        each row (default all). Row n's entries are written at slots lengths[n]..;
-        entries beyond num_valid[n] are left as masked garbage (overwritten later).
-        Syncs once (max length) — fine for the reference decoder."""
-        N, l, _ = new_context.shape
+        """new_context (N, num_new, d) fused context (``drafter.fuse_context``), positions
+        (N, num_new) absolute positions, num_valid (N,) long: how many of the num_new
+        entries are real for each row (default all). Row n's entries are written at
+        slots lengths[n]..; entries beyond num_valid[n] are left as masked garbage
+        (overwritten later). Syncs once (max length) — fine for the reference decoder."""
+        N, num_new, _ = new_context.shape
         dev = new_context.device
         if self.lengths is None:
             self.lengths = torch.zeros(N, dtype=torch.long, device=dev)
             cfg = drafter.config
             for store in (self.k, self.v):
                 store.extend(new_context.new_zeros(N, 0, cfg.num_key_value_heads, cfg.head_dim) for _ in drafter.layers)
-        self._reserve(N, self.slots + l)
+        self._reserve(N, self.slots + num_new)
         rows = torch.arange(N, device=dev)[:, None]  # (N, 1)
-        idx = self.lengths[:, None] + torch.arange(l, device=dev)  # (N, l) per-row offsets
+        idx = self.lengths[:, None] + torch.arange(num_new, device=dev)  # (N, num_new) per-row offsets
         cos, sin = rope_cos_sin(positions, drafter.config.head_dim, drafter.config.rope_theta, new_context.dtype)
         for i, layer in enumerate(drafter.layers):
-            k, v = layer.self_attn.context_kv(new_context, cos, sin)  # (N, Hkv, l, hd)
+            k, v = layer.self_attn.context_kv(new_context, cos, sin)  # (N, Hkv, num_new, hd)
             self.k[i][rows, idx] = k.transpose(1, 2).to(self.k[i].dtype)
             self.v[i][rows, idx] = v.transpose(1, 2).to(self.v[i].dtype)
-        add = l if num_valid is None else num_valid.to(self.lengths)
+        add = num_new if num_valid is None else num_valid.to(self.lengths)
         self.lengths = self.lengths + add
         self.slots = int(self.lengths.max())
 
@@ -292,7 +292,7 @@ class DFlashDrafter(nn.Module):
         Bidirectional inside the block, all valid cached context visible (per-row
         lengths masked). Returns hidden (N, B, d).
         """
-        N, T, _ = block_embeds.shape
+        _, T, _ = block_embeds.shape
         assert cache.lengths is not None, "ContextCache is empty: append the prefill context first"
         mask = context_padding_mask(cache.lengths, cache.slots, T)  # (N, 1, T, slots+T)
         cos, sin = self._rope(block_positions, block_embeds.dtype)

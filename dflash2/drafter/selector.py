@@ -62,9 +62,11 @@ class CandidateSelector(nn.Module):
         pair = torch.einsum("npmr,npkr->npmk", pred * hh[:, :, None, :], succ)  # (N, P, m, k)
         return unary.float()[:, :, None, :] + pair.float()
 
-    def _step(self, hidden, cand_ids, unary, l: int, pred: torch.Tensor) -> torch.Tensor:
-        """Scores (N, k) at position l from predecessors pred (N,)."""
-        s = self.edge_scores(hidden[:, l : l + 1], pred[:, None], cand_ids[:, l : l + 1], unary[:, l : l + 1])
+    def _step(self, hidden, cand_ids, unary, pos: int, pred: torch.Tensor) -> torch.Tensor:
+        """Scores (N, k) at position pos from predecessors pred (N,)."""
+        s = self.edge_scores(
+            hidden[:, pos : pos + 1], pred[:, None], cand_ids[:, pos : pos + 1], unary[:, pos : pos + 1]
+        )
         return s[:, 0]
 
     # ------------------------------------------------------------------ paths
@@ -78,9 +80,9 @@ class CandidateSelector(nn.Module):
         """
         cand_ids, unary = self.candidates(logits)
         pred, out = anchor_ids, []
-        for l in range(cand_ids.shape[1]):
-            best = self._step(hidden, cand_ids, unary, l, pred).argmax(-1)  # (N,)
-            pred = cand_ids[:, l].gather(-1, best[:, None])[:, 0]
+        for pos in range(cand_ids.shape[1]):
+            best = self._step(hidden, cand_ids, unary, pos, pred).argmax(-1)  # (N,)
+            pred = cand_ids[:, pos].gather(-1, best[:, None])[:, 0]
             out.append(pred)
         return torch.stack(out, dim=1)
 
@@ -91,14 +93,14 @@ class CandidateSelector(nn.Module):
         For analysis (how much greedy loses); same shapes as ``greedy_path``.
         """
         cand_ids, unary = self.candidates(logits)
-        N, P, k = cand_ids.shape
+        P = cand_ids.shape[1]
         best = self._step(hidden, cand_ids, unary, 0, anchor_ids)  # (N, k) best path score ending in cand
         back = []
         if P > 1:
-            # all pair scores at once: predecessors are the k candidates of l-1
+            # all pair scores at once: predecessors are the k candidates of pos-1
             pair = self.edge_scores(hidden[:, 1:], cand_ids[:, :-1], cand_ids[:, 1:], unary[:, 1:])
-            for l in range(1, P):
-                tot = best[:, :, None] + pair[:, l - 1]  # (N, k_prev, k)
+            for pos in range(1, P):
+                tot = best[:, :, None] + pair[:, pos - 1]  # (N, k_prev, k)
                 best, arg = tot.max(dim=1)  # (N, k), (N, k)
                 back.append(arg)
         idx = best.argmax(-1)  # (N,) candidate index at the last position
@@ -122,14 +124,14 @@ class CandidateSelector(nn.Module):
         """
         assert temperature > 0, "use greedy_path for temperature 0"
         cand_ids, unary = self.candidates(logits)
-        N, P, k = cand_ids.shape
+        N, P, _ = cand_ids.shape
         q = torch.zeros(N, P, self.vocab, dtype=torch.float32, device=logits.device)
         pred, out = anchor_ids, []
-        for l in range(P):
-            probs = torch.softmax(self._step(hidden, cand_ids, unary, l, pred) / temperature, dim=-1)  # (N, k)
+        for pos in range(P):
+            probs = torch.softmax(self._step(hidden, cand_ids, unary, pos, pred) / temperature, dim=-1)  # (N, k)
             pick = torch.multinomial(probs, 1, generator=generator)  # (N, 1)
-            q[:, l].scatter_(-1, cand_ids[:, l], probs)  # candidates are distinct (top-k)
-            pred = cand_ids[:, l].gather(-1, pick)[:, 0]
+            q[:, pos].scatter_(-1, cand_ids[:, pos], probs)  # candidates are distinct (top-k)
+            pred = cand_ids[:, pos].gather(-1, pick)[:, 0]
             out.append(pred)
         return torch.stack(out, dim=1), q
 

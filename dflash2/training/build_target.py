@@ -169,7 +169,8 @@ def _checkpoint_step(path: Path) -> int | None:
         return None
     except Exception as err:  # written atomically, so this needs a damaged disk or a foreign file
         print(
-            f"[dflash2] ignoring unreadable target-build checkpoint {path} ({type(err).__name__}: {err}); starting over",
+            f"[dflash2] ignoring unreadable target-build checkpoint {path} ({type(err).__name__}: {err}); "
+            "starting over",
             flush=True,
         )
         return None
@@ -217,7 +218,8 @@ def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
     heldout_docs = load_documents(sources, "heldout", **_split_kwargs(cfg))
     if not train_docs or not heldout_docs:
         raise DFlash2Error(
-            f"corpus {sources} gave {len(train_docs)} train and {len(heldout_docs)} held-out documents; add more sources"
+            f"corpus {sources} gave {len(train_docs)} train and {len(heldout_docs)} held-out documents; "
+            "add more sources"
         )
     print(f"[dflash2] corpus: {len(train_docs)} train / {len(heldout_docs)} held-out documents", flush=True)
 

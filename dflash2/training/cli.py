@@ -27,7 +27,10 @@ def check_overrides(overrides: list[str], config_name: str = "train") -> str | N
             compose(config_name=config_name, overrides=plain)
     except Exception as err:  # Hydra raises several exception types for bad overrides
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return f"error: bad config override: {first} (see `python train.py --help` for groups and options; use +key=value to add a new key)"
+        return (
+            f"error: bad config override: {first} "
+            "(see `python train.py --help` for groups and options; use +key=value to add a new key)"
+        )
     finally:
         GlobalHydra.instance().clear()
     return None

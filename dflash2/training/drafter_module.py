@@ -79,7 +79,8 @@ class DrafterTrainingModule(L.LightningModule):
         anchors, valid = sample_anchors(loss_mask, self.num_anchors, generator)  # (N, A)
         if not bool(valid.any()):
             raise DFlash2Error(
-                "a batch has no eligible anchor (no two consecutive response tokens); check data.response_tokens and the loss mask"
+                "a batch has no eligible anchor (no two consecutive response tokens); "
+                "check data.response_tokens and the loss mask"
             )
         hidden = self.drafter.training_forward(
             taps, input_ids, self.target.embed_tokens, anchors, valid
@@ -126,8 +127,9 @@ class DrafterTrainingModule(L.LightningModule):
         out = self.block_outputs(batch, anchor_generator(self.seed, self.global_step))
         if not torch.isfinite(out["loss"]):
             raise DFlash2Error(
-                f"drafter loss became {out['loss'].item()} at step {self.global_step}; training stopped and the last good "
-                f"checkpoint is kept under the run's checkpoints/ (resume with ckpt_path=last); lower drafter.lr or use fp32"
+                f"drafter loss became {out['loss'].item()} at step {self.global_step}; "
+                "training stopped and the last good checkpoint is kept under the run's checkpoints/ "
+                "(resume with ckpt_path=last); lower drafter.lr or use fp32"
             )
         self._log_block_metrics("train", out, prog_bar=False)
         self.log("train/loss_bar", out["loss"].detach(), prog_bar=True, logger=False)

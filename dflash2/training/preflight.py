@@ -27,13 +27,15 @@ def check_blocks_fit_the_data(config: DrafterConfig, num_anchors: int, data: dic
         raise DFlash2Error(f"drafter.num_anchors={num_anchors} must be >= 1 (blocks per training sequence)")
     if config.block_size > response:
         raise DFlash2Error(
-            f"drafter.block_size={config.block_size} is larger than data.response_tokens={response}: block positions past "
-            f"the response would never be trained; raise data.response_tokens to >= {config.block_size} or lower drafter.block_size"
+            f"drafter.block_size={config.block_size} is larger than data.response_tokens={response}: "
+            "block positions past the response would never be trained; "
+            f"raise data.response_tokens to >= {config.block_size} or lower drafter.block_size"
         )
     if num_anchors > response - 1:
         raise DFlash2Error(
-            f"drafter.num_anchors={num_anchors} but a sequence of data.response_tokens={response} has at most {response - 1} "
-            f"anchor positions; lower drafter.num_anchors to <= {response - 1} or raise data.response_tokens"
+            f"drafter.num_anchors={num_anchors} but a sequence of data.response_tokens={response} "
+            f"has at most {response - 1} anchor positions; "
+            f"lower drafter.num_anchors to <= {response - 1} or raise data.response_tokens"
         )
 
 
@@ -46,8 +48,8 @@ def check_sequences_fit_the_context(data: dict, max_positions: int | None) -> No
     longest = int(data["prompt_max_tokens"]) + int(data["response_tokens"])
     if max_positions is not None and longest > max_positions:
         raise DFlash2Error(
-            f"data.prompt_max_tokens={data['prompt_max_tokens']} + data.response_tokens={data['response_tokens']} = {longest} "
-            f"exceeds the target's context of {max_positions} positions; lower one of them"
+            f"data.prompt_max_tokens={data['prompt_max_tokens']} + data.response_tokens={data['response_tokens']} "
+            f"= {longest} exceeds the target's context of {max_positions} positions; lower one of them"
         )
 
 
@@ -67,7 +69,8 @@ def check_resume_checkpoint(path: str, config: DrafterConfig) -> None:
     meta = ckpt.get("dflash2") if isinstance(ckpt, dict) else None
     if not isinstance(meta, dict) or "drafter_config" not in meta or "state_dict" not in ckpt:
         raise DFlash2Error(
-            f"ckpt_path={path} is not a dflash2 drafter training checkpoint; pass a .ckpt written by train.py task=drafter"
+            f"ckpt_path={path} is not a dflash2 drafter training checkpoint; "
+            "pass a .ckpt written by train.py task=drafter"
         )
     differ = drafter_config_differences(dict(meta["drafter_config"]), config.to_dict())
     if differ:

@@ -63,7 +63,7 @@ def instantiate_user_facing(node: DictConfig):
 
 def instantiate_loggers(cfg: DictConfig) -> list:
     loggers = []
-    for name, node in (cfg.get("logger") or {}).items():
+    for node in (cfg.get("logger") or {}).values():
         if node is not None and "_target_" in node:
             logger = instantiate_user_facing(node)
             if logger is not None:

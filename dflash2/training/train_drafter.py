@@ -77,12 +77,14 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
         )
     target.model.cpu()
     print(
-        f"[dflash2] data: {len(train_ds)} train / {len(val_ds)} validation regenerated sequences (cache {cache_dir / 'data'})",
+        f"[dflash2] data: {len(train_ds)} train / {len(val_ds)} validation regenerated sequences "
+        f"(cache {cache_dir / 'data'})",
         flush=True,
     )
     n_params = sum(p.numel() for p in drafter.parameters())
     print(
-        f"[dflash2] drafter: {settings['version']} ({n_params / 1e6:.2f} M params, block {config.block_size}, taps {config.target_layer_ids})",
+        f"[dflash2] drafter: {settings['version']} "
+        f"({n_params / 1e6:.2f} M params, block {config.block_size}, taps {config.target_layer_ids})",
         flush=True,
     )
 
@@ -150,8 +152,9 @@ def trainable_rows(dataset, split: str):
     kept = dataset.filter(has_anchor, desc=f"filtering {split}")
     if len(kept) == 0:
         raise DFlash2Error(
-            f"the {split} data is empty after filtering: none of {len(dataset)} regenerated sequences has two consecutive "
-            f"response tokens to anchor a block; raise data.response_tokens or check that the target does not stop at once"
+            f"the {split} data is empty after filtering: "
+            f"none of {len(dataset)} regenerated sequences has two consecutive response tokens to anchor a block; "
+            "raise data.response_tokens or check that the target does not stop at once"
         )
     return kept
 
@@ -162,7 +165,8 @@ def resolve_ckpt_path(ckpt_path, output_dir: Path):
     path = output_dir / "checkpoints" / "last.ckpt" if str(ckpt_path) == "last" else Path(str(ckpt_path))
     if not path.is_file():
         raise DFlash2Error(
-            f"ckpt_path={ckpt_path}: no checkpoint file at {path}; pass a .ckpt file or 'last' with the run's paths.output_dir"
+            f"ckpt_path={ckpt_path}: no checkpoint file at {path}; "
+            "pass a .ckpt file or 'last' with the run's paths.output_dir"
         )
     return str(path)
 
@@ -217,7 +221,10 @@ def format_heldout_report(r: dict) -> str:
     lines = [
         f"[dflash2] held-out per-position top-1 accuracy ({r['heldout_blocks']} blocks): {acc}",
         f"[dflash2]   baseline (always token {r['baseline_most_frequent_token']}):            {base}",
-        f"[dflash2]   acceptance estimate tau = {r['heldout_tau_estimate']:.3f} (baseline {r['baseline_tau_estimate']:.3f})",
+        (
+            f"[dflash2]   acceptance estimate tau = {r['heldout_tau_estimate']:.3f} "
+            f"(baseline {r['baseline_tau_estimate']:.3f})"
+        ),
     ]
     if "heldout_selector_tau_estimate" in r:
         lines.append(f"[dflash2]   selector path tau estimate = {r['heldout_selector_tau_estimate']:.3f}")

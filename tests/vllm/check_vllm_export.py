@@ -558,8 +558,8 @@ def main() -> int:
             **ours_acceptance(res),
         }
         log(
-            f"ours [{name}]: τ={ours[name]['tau']:.3f} (acceptance length {ours[name]['acceptance_length']:.3f}) over {ours[name]['num_drafts']} steps, "
-            f"lossless={ours[name]['lossless']}"
+            f"ours [{name}]: τ={ours[name]['tau']:.3f} (acceptance length {ours[name]['acceptance_length']:.3f}) "
+            f"over {ours[name]['num_drafts']} steps, lossless={ours[name]['lossless']}"
         )
     timings["ours_s"] = round(time.perf_counter() - t0, 1)
 
@@ -624,8 +624,9 @@ def main() -> int:
         check(
             f"vLLM {name}: acceptance == ours[{name}]",
             abs(d_tau) <= args.tau_tol and d_pos <= args.pos_tol,
-            f"acceptance length {va['acceptance_length']:.3f} vs {oa['acceptance_length']:.3f} (Δ {d_tau:+.3f}, tol {args.tau_tol}); max Δrate {d_pos:.3f} "
-            f"(tol {args.pos_tol}); drafts {va['num_drafts']} vs {oa['num_drafts']}",
+            f"acceptance length {va['acceptance_length']:.3f} vs {oa['acceptance_length']:.3f} "
+            f"(Δ {d_tau:+.3f}, tol {args.tau_tol}); max Δrate {d_pos:.3f} (tol {args.pos_tol}); "
+            f"drafts {va['num_drafts']} vs {oa['num_drafts']}",
         )
     if "acceptance" in vllm.get("neg", {}):
         # The shifted export, judged against what the drafter was trained for (ours[v1]): the
@@ -640,8 +641,8 @@ def main() -> int:
         check(
             "vLLM neg (taps +1 by hand): acceptance clearly lower than the trained export",
             drop >= 3 * args.tau_tol,
-            f"acceptance length {neg_tau:.3f} vs {ref_tau:.3f} (drop {drop:.3f} = {drop / (ref_tau - 1):.0%} of the accepted "
-            f"drafts per step; need >= {3 * args.tau_tol:.2f} = 3x the tolerance)",
+            f"acceptance length {neg_tau:.3f} vs {ref_tau:.3f} (drop {drop:.3f} = {drop / (ref_tau - 1):.0%} "
+            f"of the accepted drafts per step; need >= {3 * args.tau_tol:.2f} = 3x the tolerance)",
         )
     if "v2" in folders:
         comp = dflash2_components(folders["v2"], num_blocks=256)
