@@ -199,7 +199,10 @@ def spec_target(kind: str, seed: int = 0, **kw):
 
 
 def spec_drafter(target, block_size: int, v2: bool = False, seed: int = 1):
-    """A random DFlash (v1) or DFlash2 (conv + selector) drafter matching ``target``."""
+    """A random DFlash (v1) or DFlash2 (conv + selector) drafter matching ``target``.
+
+    The DFlash2 one has its conv and selector moved off their init (``randomize_dflash2_additions``):
+    at init they are exact no-ops and would draft what v1 drafts, testing nothing of their own."""
     from dflash2.drafter import DFlashDrafter, DrafterConfig
 
     cfg = DrafterConfig(
@@ -223,7 +226,32 @@ def spec_drafter(target, block_size: int, v2: bool = False, seed: int = 1):
         selector_top_k=4,
     )
     torch.manual_seed(seed)
-    return DFlashDrafter(cfg).eval()
+    drafter = DFlashDrafter(cfg).eval()
+    if v2:
+        randomize_dflash2_additions(drafter, seed)
+    return drafter
+
+
+def randomize_dflash2_additions(drafter, seed: int) -> None:
+    """Non-trivial DFlash2 additions, in place: a fresh conv is the identity (base kernel tap 0 = 1, no
+    dynamic part) and a fresh selector's pair term is ~0 (plain argmax). Here the base kernel is
+    perturbed, the kernel projection and the codebooks are random. Scales: with the spec targets'
+    logits (std ~0.6) the pair term then changes 30-75% of the greedy drafts (measured over both
+    targets, B 4-16, a few seeds), so the unary logits still matter too."""
+    g = torch.Generator().manual_seed(1000 + seed)
+
+    def normal(param, std):
+        param.copy_(std * torch.randn(param.shape, generator=g))
+
+    with torch.no_grad():
+        for layer in drafter.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel.add_(0.5 * torch.randn(conv.base_kernel.shape, generator=g))
+                normal(conv.kernel_projection.weight, 0.5)
+        selector = drafter.candidate_selector
+        normal(selector.predecessor_codebook, 0.6)
+        normal(selector.successor_codebook, 0.6)
+        normal(selector.hidden_projection.weight, 0.2)
 
 
 @pytest.fixture(scope="session")
@@ -240,3 +268,22 @@ def make_spec_target():
 @pytest.fixture(scope="session")
 def make_spec_drafter():
     return spec_drafter
+
+
+# ---------------------------------------------------------------- statistics
+def chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Chi-square goodness of fit of integer samples to probs (V,); bins with expected < min_expected are
+    pooled. The survival function of the chi-square law is the regularised upper incomplete gamma
+    Q(df/2, stat/2), so scipy is not needed. Used by the statistical tests of T>0 decoding and sampling."""
+    counts = torch.bincount(samples.flatten(), minlength=probs.numel()).double()
+    expected = probs.double() * counts.sum()
+    big = expected >= min_expected
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    if exp[-1] == 0:  # no pooled bin: anything observed there was impossible under probs
+        if obs[-1] > 0:
+            return 0.0
+        obs, exp = obs[:-1], exp[:-1]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))

@@ -6,14 +6,17 @@ the target token for token, for block sizes 4, 8 and 16, over >= 200 tokens.
 Scripted drafters force the extreme steps: an oracle drafting the target's own
 greedy continuation (every draft accepted, τ = B), a wrong one (nothing
 accepted, τ = 1) and a partial one (a random number accepted each step).
+The DFlash2 drafter (tests/conftest.py) has a non-trivial conv and selector, and
+a test below checks that its drafts really go through both.
 """
 
+import copy
 import random
 
 import pytest
 import torch
 
-from dflash2.decoding import SpecResult, greedy_generate, speculative_generate
+from dflash2.decoding import DFlashProposer, SamplingParams, SpecResult, greedy_generate, speculative_generate
 from dflash2.errors import DFlash2Error
 
 KINDS = ["qwen3", "qwen3_5"]
@@ -186,12 +189,57 @@ def test_tau_does_not_count_tokens_cut_by_eos(spec_targets, greedy_refs):
     assert steps >= 2 and res.mean_tau == k / steps < B
 
 
-def test_random_drafter_batch_equals_greedy(spec_targets, make_spec_drafter, greedy_refs):
-    """Batched DFlash drafting with ragged per-row context (hybrid target, B=4)."""
-    target = spec_targets["qwen3_5"]
-    res = speculative_generate(target, make_spec_drafter(target, 4), PROMPTS, max_new_tokens=24)
-    assert res.sequences == [f[len(p) :][:24] for f, p in zip(greedy_refs["qwen3_5"], PROMPTS)]
+@pytest.mark.parametrize(
+    "kind,v2,block_size", [("qwen3_5", False, 4), ("qwen3_5", True, 8), ("qwen3", True, 8)], ids=str
+)
+def test_random_drafter_batch_equals_greedy(spec_targets, make_spec_drafter, greedy_refs, kind, v2, block_size):
+    """Batched DFlash / DFlash2 drafting with ragged per-row context (prompts of 7, 12 and 3 tokens)."""
+    target = spec_targets[kind]
+    res = speculative_generate(target, make_spec_drafter(target, block_size, v2=v2), PROMPTS, max_new_tokens=24)
+    _check_result(res, [f[len(p) :][:24] for f, p in zip(greedy_refs[kind], PROMPTS)], block_size)
     assert res.mean_tau >= 1.0
+
+
+def _first_blocks(target, drafter, prompts):
+    """What the decoder's proposer drafts for the first block after each prompt (all of one length),
+    beside the drafter's own unary logits there: (drafts (N, B-1), logits (N, B-1, V))."""
+    ids = torch.tensor(prompts)  # (N, P)
+    N, P = ids.shape
+    out = target(ids)
+    proposer = DFlashProposer(drafter, target)
+    proposer.add_context(out.taps, torch.arange(P).expand(N, -1), torch.full((N,), P))
+    anchor, anchor_pos = out.logits[:, -1].argmax(-1), torch.full((N,), P)
+    drafts, q = proposer.propose(anchor, anchor_pos, SamplingParams(), None)
+    assert q is None  # T=0: deterministic drafts
+    B = drafter.config.block_size
+    block = torch.full((N, B), drafter.config.mask_token_id)
+    block[:, 0] = anchor
+    with torch.no_grad():
+        hidden = drafter.draft_block(target.embed_tokens(block), anchor_pos[:, None] + torch.arange(B), proposer.cache)
+        logits = target.lm_head(hidden[:, 1:]).float()  # (N, B-1, V)
+    return drafts, logits
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_dflash2_drafter_drafts_through_its_conv_and_selector(spec_targets, make_spec_drafter, kind):
+    """The DFlash2 drafter of these tests is not at its init (identity conv, ~0 pair term, where it drafts
+    exactly what v1 drafts): the decoder's drafts differ from plain argmax of the unary logits (so a path
+    that skipped the selector would draft differently), and the conv changes the logits and the drafts
+    (vs the same weights with the conv reset to the identity)."""
+    target = spec_targets[kind]
+    drafter = make_spec_drafter(target, 8, v2=True)
+    prompts = [_prompt(10, seed) for seed in range(16)]
+    drafts, logits = _first_blocks(target, drafter, prompts)
+    selector_changes = (drafts != logits.argmax(-1)).float().mean()
+    assert 0.1 < selector_changes < 0.9, selector_changes  # the pair term matters, and so do the unary logits
+
+    identity_conv = copy.deepcopy(drafter)
+    for layer in identity_conv.layers:
+        layer.attention_conv.reset_parameters()
+        layer.mlp_conv.reset_parameters()
+    drafts_id, logits_id = _first_blocks(target, identity_conv, prompts)
+    assert (logits_id - logits).abs().max() > 0.1 * logits.std()  # a change on the logits' own scale
+    assert (drafts_id != drafts).float().mean() > 0.1
 
 
 def test_tensor_prompts_and_bad_inputs(spec_targets, make_spec_drafter):
