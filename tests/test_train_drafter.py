@@ -4,6 +4,7 @@ configs, artifacts, save/load, exact resume, and bad input."""
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,11 @@ from hydra.core.global_hydra import GlobalHydra
 
 from dflash2.drafter import DFlashDrafter, DrafterConfig, load_drafter
 from dflash2.errors import DFlash2Error
+from dflash2.eval.prompts import heldout_prompts
+from dflash2.target import TargetModel
 from dflash2.training.cli import CONFIG_DIR
 from dflash2.training.run import run_from_config
+from dflash2.training.train_drafter import format_heldout_report, format_measured_tau
 
 pytestmark = pytest.mark.slow
 
@@ -64,6 +68,47 @@ def test_default_run_writes_every_artifact(trained_run):
     assert (run / "train_summary.json").exists() and (run / "run_summary.json").exists()
     losses = train_losses(run)
     assert sorted(losses) == list(range(6)) and all(torch.isfinite(torch.tensor(v)) for v in losses.values())
+
+
+def test_the_summary_leads_with_tau_measured_by_lossless_decoding_of_heldout_prompts(trained_run):
+    tmp, summary = trained_run
+    run = tmp / "run"
+    on_disk = json.loads((run / "train_summary.json").read_text())
+    assert next(iter(on_disk)) == "heldout_tau_measured" and on_disk == summary["drafter"]
+    measured = on_disk["heldout_tau_measured"]
+    results = json.loads((run / "heldout_eval" / "results.json").read_text())
+    assert measured["tau"] == results["mean_tau"] and 1.0 <= measured["tau"] <= 8.0
+    assert measured["lossless"] is True and results["lossless"] is True
+    assert measured["num_prompts"] == results["num_prompts"] == 2  # heldout_tau.num_prompts of the micro run
+    assert results["settings"]["temperature"] == 0.0 and results["settings"]["max_new_tokens"] == 16
+    # the prompts are what the prompts API gives for the run's held-out split, at the configured length
+    target = TargetModel.from_pretrained(str(run / "target"))
+    expected = heldout_prompts(target.tokenizer, num_prompts=2, prompt_tokens=16, sources=[{"kind": "stdlib"}])
+    rows = [json.loads(line) for line in (run / "heldout_eval" / "outputs.jsonl").read_text().splitlines()]
+    assert [r["source"] for r in rows] == [p.source for p in expected]
+
+    result, estimate = format_measured_tau(measured, 1.5), format_heldout_report(on_disk)
+    assert result.startswith(f"[dflash2] RESULT: measured tau = {measured['tau']:.3f} tokens per verify step")
+    assert "of 2 held-out prompts x 16 new tokens; output == greedy: yes" in result
+    assert estimate.startswith("[dflash2]   estimate, not a decode: tau ~ ")
+
+
+def test_the_result_line_says_when_fewer_prompts_were_decoded_or_output_differed():
+    measured = {
+        "tau": 2.5,
+        "lossless": False,
+        "first_mismatch": {"prompt_index": 0, "token_index": 3},
+        "num_prompts": 2,
+        "skipped_prompts": 1,
+        "num_prompts_asked": 8,
+        "prompt_tokens": 64,
+        "max_new_tokens": 32,
+        "results_dir": "RUN/heldout_eval",
+    }
+    line = format_measured_tau(measured, 3.0)
+    assert "of 2 held-out prompts (only 3 of the 8 asked: held-out documents of >= 64 tokens; 1 skipped" in line
+    assert "output == greedy: NO, first mismatch {'prompt_index': 0, 'token_index': 3}" in line
+    assert "\n" not in line
 
 
 def test_measured_tau_is_logged_at_each_validation(trained_run):
