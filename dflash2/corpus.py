@@ -1,6 +1,6 @@
 """The embedded corpus: documents to train tokenizers, targets and drafters.
 
-The default is the running interpreter's standard-library source (DESIGN §8):
+The default is the running interpreter's standard-library source (docs/CORPUS.md):
 about 1,800 ``*.py`` files and 31 MB of real code that exist on every machine,
 so nothing has to be downloaded. Extra folders (``kind: dir``) and HF datasets
 (``kind: hf``: local json/jsonl/parquet/txt, or a hub id when online) can be

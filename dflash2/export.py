@@ -1,4 +1,4 @@
-"""Export a trained drafter for serving engines (DESIGN §7; issue 5).
+"""Export a trained drafter for serving engines (ARCHITECTURE.md §7; issue 5).
 
     python -m dflash2.export checkpoint=PATH out=DIR [format=auto|dflash|dflash2]
                              [dtype=bfloat16|float32] [target=PATH_OR_ID]

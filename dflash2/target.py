@@ -1,4 +1,4 @@
-"""The frozen target LLM and its feature taps (DESIGN §2 "Frozen target taps").
+"""The frozen target LLM and its feature taps (ARCHITECTURE.md §2.1).
 
 A drafter never owns an embedding, an LM head or its own view of the text: it
 reads the target's frozen ``embed_tokens`` / ``lm_head`` and the *outputs* of K

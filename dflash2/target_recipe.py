@@ -1,4 +1,4 @@
-"""The embedded default target's architecture (DESIGN §8).
+"""The embedded default target's architecture (ARCHITECTURE.md §8).
 
 A small hybrid causal LM built from transformers' own Qwen3.5 text classes
 (`Qwen3_5TextConfig` / `Qwen3_5ForCausalLM`), so that every HF tool loads the

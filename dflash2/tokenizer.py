@@ -47,7 +47,7 @@ def train_bpe_tokenizer(
     changes the merges at that size. ``None`` reads everything. Deterministic:
     the same texts in the same order give the same vocabulary and merges.
     2048 is the default vocab because small vocabularies pay on CPU-sized
-    targets (DESIGN §8).
+    targets (ARCHITECTURE.md §8).
     """
     if vocab_size < _MIN_VOCAB:
         raise DFlash2Error(

@@ -178,7 +178,7 @@ def spec_target_config(kind: str, vocab_size: int = SPEC_VOCAB, hidden_size: int
     )
     if kind == "qwen3":
         return transformers.Qwen3Config(num_hidden_layers=2, **common)
-    # Qwen3.5 text: 3 Gated DeltaNet : 1 attention, as the real hybrids (DESIGN §5)
+    # Qwen3.5 text: 3 Gated DeltaNet : 1 attention, as the real hybrids (ARCHITECTURE.md §5)
     return transformers.Qwen3_5TextConfig(
         num_hidden_layers=4,
         layer_types=["linear_attention"] * 3 + ["full_attention"],

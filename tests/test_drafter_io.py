@@ -1,4 +1,4 @@
-"""Export folder (§7): round trip, config.json fields, strict keys, atomic write."""
+"""Export folder (ARCHITECTURE.md §7): round trip, config.json fields, strict keys, atomic write."""
 
 import dataclasses
 import json

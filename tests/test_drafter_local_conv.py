@@ -1,4 +1,5 @@
-"""DFlash2 block-local dynamic conv (§3): naive equality, block isolation, causality, identity init."""
+"""DFlash2 block-local dynamic conv (ARCHITECTURE.md §3.1): naive equality, block isolation, causality,
+identity init."""
 
 import torch
 

@@ -1,4 +1,4 @@
-"""Block-sparse training masks: exact semantics (§2) and flex == dense."""
+"""Block-sparse training masks: exact semantics (ARCHITECTURE.md §2.6) and flex == dense."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""DFlashDrafter: §7 state-dict keys, training forward == decoding, cache, drafting, config."""
+"""DFlashDrafter: ARCHITECTURE.md §7.2 state-dict keys, training forward == decoding, cache, drafting, config."""
 
 import dataclasses
 import math

@@ -1,4 +1,4 @@
-"""DFlash2 candidate selector (§3): paths vs brute force, sampled q, trainable loss."""
+"""DFlash2 candidate selector (ARCHITECTURE.md §3.2): paths vs brute force, sampled q, trainable loss."""
 
 import itertools
 

@@ -1,4 +1,4 @@
-"""python -m dflash2.export (issue 5, DESIGN §7): round trip to identical drafts, and every
+"""python -m dflash2.export (issue 5, ARCHITECTURE.md §7): round trip to identical drafts, and every
 pre-write validation catching its broken case with nothing left at ``out``."""
 
 from __future__ import annotations

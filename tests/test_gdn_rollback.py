@@ -1,4 +1,4 @@
-"""Target-cache rollback after a verify pass (DESIGN §5): attention cropped, GDN restored + replayed.
+"""Target-cache rollback after a verify pass (ARCHITECTURE.md §5.4): attention cropped, GDN restored + replayed.
 
 For every accepted length 0..B-1 (keep = accepted + 1 = 1..B committed tokens),
 the cache after rollback must equal the cache of plain token-by-token decoding of

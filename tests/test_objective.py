@@ -1,4 +1,4 @@
-"""Anchors, labels, loss weights and metrics of the drafter objective (DESIGN §2)."""
+"""Anchors, labels, loss weights and metrics of the drafter objective (ARCHITECTURE.md §2.6)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Reference speculative decoding is lossless at T=0 (DESIGN §2, §4, §5).
+"""Reference speculative decoding is lossless at T=0 (ARCHITECTURE.md §2.7, §4, §5).
 
 Random fp32 targets (tiny Qwen3 = attention; tiny Qwen3.5 = 3 GDN : 1 attention)
 and random drafters: the speculative output must equal plain greedy decoding of

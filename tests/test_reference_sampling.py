@@ -1,4 +1,4 @@
-"""Sampling warps and lossless acceptance (DESIGN §4), checked statistically.
+"""Sampling warps and lossless acceptance (ARCHITECTURE.md §4), checked statistically.
 
 Chi-square goodness of fit with fixed seeds on a tiny vocabulary: the tokens that
 rejection sampling emits must follow the target's distribution p whatever the

@@ -62,7 +62,7 @@ def saved(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def targets(saved):
-    ids = {"qwen3": [0, 2, 3], "qwen3_5": [0, 1, 2], "llama": None}  # llama: the §2 default
+    ids = {"qwen3": [0, 2, 3], "qwen3_5": [0, 1, 2], "llama": None}  # llama: the ARCHITECTURE.md §2.1 default
     return {n: TargetModel.from_pretrained(f, target_layer_ids=ids[n]) for n, f in saved.items()}
 
 

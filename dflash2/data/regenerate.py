@@ -1,4 +1,4 @@
-"""Regenerate responses with the frozen target and cache them (issue 3, DESIGN §2).
+"""Regenerate responses with the frozen target and cache them (issue 3, ARCHITECTURE.md §2.6).
 
 The drafter must learn the *target's* distribution, so training responses are
 the target's own continuations of corpus prompts (greedy or sampled). The

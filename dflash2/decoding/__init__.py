@@ -1,6 +1,6 @@
 """Reference (plain PyTorch) lossless speculative decoding: sampling, target-cache rollback, decoder.
 
-DESIGN §2 (inference step), §4 (lossless verification), §5 (GDN rollback). The
+ARCHITECTURE.md §2.7 (inference step), §4 (lossless verification), §5 (GDN rollback). The
 Triton runtime reuses the acceptance math here and is tested against this path.
 """
 

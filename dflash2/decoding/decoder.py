@@ -1,4 +1,4 @@
-"""Reference lossless speculative decoding with a DFlash block drafter (DESIGN §2 "Inference step", §4, §5).
+"""Reference lossless speculative decoding with a DFlash block drafter (ARCHITECTURE.md §2.7, §4, §5).
 
 Plain PyTorch over the HF target: the correctness reference that the Triton
 runtime is tested against. One step, per sequence:

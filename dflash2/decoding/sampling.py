@@ -1,4 +1,4 @@
-"""Sampling and lossless acceptance for speculative decoding (DESIGN §4).
+"""Sampling and lossless acceptance for speculative decoding (ARCHITECTURE.md §4).
 
 Pure tensor functions, no host sync (gpt-fast style): the decoder reads the
 accepted count once per step, nothing here calls ``.item()``.
@@ -25,7 +25,7 @@ class SamplingParams:
     """How tokens are chosen. temperature 0 = greedy (top_k / top_p ignored).
 
     top_k=0 and top_p=1.0 mean "off". The same params warp the target's p and the
-    drafter's q (§4: "applied to p and q identically before the test").
+    drafter's q (§4, warping: one warp for both before the test).
     """
 
     temperature: float = 0.0

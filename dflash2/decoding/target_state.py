@@ -1,4 +1,4 @@
-"""Snapshot / rollback of the target's HF cache after a verify pass (DESIGN §2, §5).
+"""Snapshot / rollback of the target's HF cache after a verify pass (ARCHITECTURE.md §5.4).
 
 A verify pass feeds the T = B block tokens ``[anchor, d_1 .. d_{B-1}]`` through
 the target with its cache, so afterwards the cache holds all T. Only the first

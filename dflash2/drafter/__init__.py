@@ -1,7 +1,7 @@
 """DFlash / DFlash2 drafter: config, model, masks, DFlash2 additions, save/load.
 
 DFlash v1 is ``DrafterConfig(use_local_conv=False, use_selector=False)``; DFlash2
-turns on the block-local conv and/or the candidate selector (DESIGN §2, §3).
+turns on the block-local conv and/or the candidate selector (ARCHITECTURE.md §2, §3).
 """
 
 from dflash2.drafter.config import DrafterConfig

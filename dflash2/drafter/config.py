@@ -1,4 +1,4 @@
-"""Drafter configuration (DESIGN §2, §3).
+"""Drafter configuration (ARCHITECTURE.md §2, §3).
 
 One dataclass covers DFlash v1 and DFlash2: v1 is simply ``use_local_conv=False,
 use_selector=False``, so every DFlash2 ablation runs the same code with a flag
@@ -16,7 +16,7 @@ from dflash2.errors import DFlash2Error
 
 @dataclass
 class DrafterConfig:
-    # --- Qwen3-style decoder stack at the target's width (DESIGN §2) ---
+    # --- Qwen3-style decoder stack at the target's width (ARCHITECTURE.md §2.4) ---
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int

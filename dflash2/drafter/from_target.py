@@ -1,4 +1,4 @@
-"""Derive a drafter's config from the target it drafts for (DESIGN §2)."""
+"""Derive a drafter's config from the target it drafts for (ARCHITECTURE.md §2.3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Save / load a drafter as an HF-style folder that serving engines read (DESIGN §7).
+"""Save / load a drafter as an HF-style folder that serving engines read (ARCHITECTURE.md §7).
 
 Folder = ``config.json`` + ``model.safetensors``. The config carries the z-lab /
 vLLM fields (``DFlashDraftModel`` for v1, ``DFlash2DraftModel`` when the conv or the

@@ -1,4 +1,4 @@
-"""DFlash2 block-local dynamic convolution (DESIGN §3).
+"""DFlash2 block-local dynamic convolution (ARCHITECTURE.md §3.1).
 
 A grouped, *dynamic*, depthwise, *causal* convolution along the positions of a block,
 wrapped around every attention and MLP sub-layer:
@@ -52,7 +52,7 @@ class BlockLocalConv(nn.Module):
         return d.unflatten(-1, (2, self.kernel_size, self.groups))
 
     def forward(self, x: torch.Tensor, side: int, delta: torch.Tensor, block_size: int) -> torch.Tensor:
-        """Apply one side of the conv (this is the ``apply`` of the design; named
+        """Apply one side of the conv (``conv(x, s)`` of ARCHITECTURE.md §3.1; named
         ``forward`` so that ``nn.Module.apply(fn)`` keeps working for init/FSDP).
 
         x: (..., T, hidden), delta: (..., T, 2, K, G) from ``deltas``; T a multiple of

@@ -1,4 +1,4 @@
-"""Block-sparse attention masks for training every block of a sequence in one pass (§2).
+"""Block-sparse attention masks for training every block of a sequence in one pass (ARCHITECTURE.md §2.6).
 
 Layout (shared by the dense and the flex mask, and by ``DFlashDrafter.forward``):
 

@@ -1,4 +1,4 @@
-"""DFlash / DFlash2 block-diffusion drafter (DESIGN §2, §3).
+"""DFlash / DFlash2 block-diffusion drafter (ARCHITECTURE.md §2, §3).
 
 A stack of Qwen3-style decoder layers whose attention keys/values are the block's
 own K/V *prepended* with K/V projected from the fused target context c (KV

@@ -1,4 +1,4 @@
-"""Training objective of the drafter (DESIGN §2), free of Lightning.
+"""Training objective of the drafter (ARCHITECTURE.md §2.6), free of Lightning.
 
 Anchors, block labels, the decay-weighted cross-entropy and the metrics logged
 every step. Shapes: N sequences of length L, A anchors per sequence, block

@@ -1,4 +1,4 @@
-"""DFlash2 candidate selector (DESIGN §3).
+"""DFlash2 candidate selector (ARCHITECTURE.md §3.2).
 
 The drafter's top-1 accuracy decays along the block while the right token is almost
 always in its top-k. The selector re-ranks the k candidates of every drafted position

@@ -17,7 +17,7 @@ decodes every prompt with the reference speculative decoder, one prompt at a tim
 * the histogram of accepted drafts 0..B-1, steps, tokens, wall time, settings;
 * with ``check_lossless`` (default at T=0): whether every output equals plain
   greedy decoding of the target, and the first mismatch with the target's logit
-  margin between the two tokens there (§4: near rounding = numerics, large = bug).
+  margin between the two tokens there (ARCHITECTURE.md §4: near rounding = numerics, large = bug).
 
 Files in ``output_dir``: results.json, outputs.jsonl, results.md,
 per_position_acceptance.png, tau_histogram.png.

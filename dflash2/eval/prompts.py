@@ -1,6 +1,6 @@
 """Prompt sets for acceptance evaluation (issue 4).
 
-* ``heldout``: the held-out split of the embedded stdlib corpus (DESIGN §8) as
+* ``heldout``: the held-out split of the embedded stdlib corpus (docs/CORPUS.md) as
   file-prefix prompts of a fixed token length: the target continues real code from
   a real point, on files neither it nor the drafter trained on. No chat template:
   these are continuation prompts, not conversations.

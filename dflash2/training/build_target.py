@@ -1,4 +1,4 @@
-"""Build (or reuse) the embedded default target (DESIGN §8, issue 2).
+"""Build (or reuse) the embedded default target (ARCHITECTURE.md §8, issue 2).
 
 `ensure_target(cfg)` returns the folder of an HF causal LM for the run:
 - `target.path` set: that folder or hub id, used as is;

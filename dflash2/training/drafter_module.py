@@ -1,4 +1,4 @@
-"""LightningModule that trains a drafter against a frozen target (issue 3, DESIGN §2-§3).
+"""LightningModule that trains a drafter against a frozen target (issue 3, ARCHITECTURE.md §2.6, §3).
 
 Each step: target taps for the batch under no_grad (online; the target is
 frozen and never part of the optimised or checkpointed state), anchors redrawn

@@ -1,4 +1,4 @@
-"""Pretraining of the embedded default target with Lightning (DESIGN §8).
+"""Pretraining of the embedded default target with Lightning (ARCHITECTURE.md §8).
 
 The pieces: a map-style dataset of random token windows (deterministic per
 index, so a rebuild from the same seed sees the same batches), a data module

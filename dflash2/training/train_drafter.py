@@ -169,7 +169,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
 
 
 def trainable_rows(dataset, split: str):
-    """Keep sequences with at least one anchor (two consecutive response tokens, §2); error if none is left."""
+    """Keep sequences with an anchor (two consecutive response tokens, ARCHITECTURE.md §2.6); error if none is left."""
 
     def has_anchor(row) -> bool:
         m = row["loss_mask"]

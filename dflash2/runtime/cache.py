@@ -1,0 +1,141 @@
+"""Static caches of the runtime target and the per-row lengths (docs/ARCHITECTURE.md §6).
+
+Every forward of a runtime model processes a block of T tokens per row, (N, T), at
+per-row positions: row n's tokens sit at ``lengths[n] .. lengths[n] + T - 1``, so
+the rows of a batch may be ragged (different prompt lengths, different numbers of
+accepted drafts). A forward never changes what is *committed*:
+
+* attention layers write the block's K/V into the static cache at those positions
+  (beyond the committed length: overwritten by the next step unless committed);
+* Gated DeltaNet layers compute their outputs from the untouched state and log
+  what a commit needs (gdn_state.py).
+
+``DecodeState.commit(n)`` then keeps the first n[r] tokens of row r: lengths grow by
+n and the GDN states fold exactly n[r] tokens. Stale K/V past a row's length is
+never read: the mask lets query t of row r see key positions ≤ lengths[r] + t only.
+
+Everything here stays on the device: lengths are a tensor, the masks and write
+indices are built from it once per step (:meth:`DecodeState.step_meta`), and no
+function reads a value back to the host.
+
+Shapes: N rows, T block tokens, L_a attention layers, Hkv key/value heads, G query
+heads per K/V head, S_max cache positions, S ≤ S_max positions attended, D head_dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dflash2.runtime.gdn_state import GDNState
+
+
+@dataclass
+class StepMeta:
+    """Per-step metadata, built once per forward and shared by all layers.
+
+    positions:   (N, T) long, absolute position of each block token (RoPE and the cache slot).
+    write_index: (N, Hkv, T, D) long, positions broadcast for ``scatter_`` into the K/V cache (a view).
+    mask:        (N, 1, G·T, S) bool, True where a query may attend: query row g·T + t of row n sees
+                 key positions ≤ positions[n, t] (the committed context and the block causally).
+    kv_len:      S, the cache positions attended (a static bound ≤ S_max; positions beyond are never read).
+    """
+
+    positions: torch.Tensor
+    write_index: torch.Tensor | None
+    mask: torch.Tensor | None
+    kv_len: int
+
+
+class KVCache:
+    """Preallocated K/V of all attention layers: k, v (L_a, N, Hkv, S_max, D), slot i = i-th attention layer.
+
+    GQA is attended by folding the G query heads of each K/V head into the query
+    length, (N, H, T, D) -> (N, Hkv, G·T, D), so SDPA sees as many heads as the cache
+    and no repeated K/V copy is ever made (the mask is tiled G times instead).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        *,
+        groups: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.groups = groups
+        self.max_len = max_len
+
+    def write(self, slot: int, k: torch.Tensor, v: torch.Tensor, meta: StepMeta) -> None:
+        """k, v (N, Hkv, T, D) -> cache slot at meta.positions (in place, static addresses)."""
+        self.k[slot].scatter_(2, meta.write_index, k)
+        self.v[slot].scatter_(2, meta.write_index, v)
+
+    def attend(self, slot: int, q: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+        """q (N, H, T, D) -> (N, H, T, D): softmax attention over the first meta.kv_len cache positions."""
+        N, H, T, D = q.shape
+        hkv = self.k.shape[2]
+        k = self.k[slot, :, :, : meta.kv_len]  # (N, Hkv, S, D), a view
+        v = self.v[slot, :, :, : meta.kv_len]
+        # head h = j·G + g reads K/V head j (HF's repeat_kv order): fold g into the query length
+        qg = q.reshape(N, hkv, self.groups * T, D)
+        y = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.mask)  # (N, Hkv, G·T, D)
+        return y.reshape(N, H, T, D)  # reshape: fused kernels may return a non-contiguous layout
+
+
+class DecodeState:
+    """Everything a runtime target carries between steps: lengths, the KV cache and the GDN states.
+
+    lengths: (N,) long on the device, committed tokens per row.
+    kv:      KVCache of the attention layers, or None (no attention layer).
+    gdn:     GDNState of the Gated DeltaNet layers, or None (attention-only targets).
+
+    Use: ``meta = state.step_meta(T)``, run the forward (the model calls this itself),
+    then ``state.commit(n)``. Built by a model's ``new_state(batch_size, max_len)``.
+    """
+
+    def __init__(self, lengths: torch.Tensor, kv: KVCache | None, gdn: GDNState | None):
+        self.lengths, self.kv, self.gdn = lengths, kv, gdn
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    def step_meta(self, T: int, kv_len: int | None = None) -> StepMeta:
+        """Positions, K/V write index and attention mask for a block of T tokens per row.
+
+        kv_len: cache positions to attend (default: all S_max). A caller that knows an upper
+        bound on lengths + T (the engine does) passes it rounded up to a bucket, so attention
+        reads only that much of the cache; keys at positions ≥ kv_len must never be needed.
+        """
+        device = self.lengths.device
+        positions = self.lengths[:, None] + torch.arange(T, device=device)  # (N, T)
+        if self.kv is None:
+            return StepMeta(positions, None, None, 0)
+        kv_len = self.kv.max_len if kv_len is None else kv_len
+        hkv, D = self.kv.k.shape[2], self.kv.k.shape[-1]
+        write_index = positions[:, None, :, None].expand(-1, hkv, -1, D)  # (N, Hkv, T, D)
+        keys = torch.arange(kv_len, device=device)
+        mask = keys[None, None, :] <= positions[:, :, None]  # (N, T, S)
+        mask = mask.repeat(1, self.kv.groups, 1)[:, None]  # (N, 1, G·T, S), row g·T + t
+        return StepMeta(positions, write_index, mask, kv_len)
+
+    def commit(self, n: torch.Tensor) -> None:
+        """Keep the first n[r] tokens of the last forward's block in row r; n (N,) long in [0, T].
+
+        n[r] = 0 leaves row r unchanged (for rows that did not take part); a speculative
+        step always commits ≥ 1 (the accepted drafts + the bonus token, or the correction).
+        Attention layers only need the new lengths; GDN layers replay n[r] logged tokens.
+        """
+        if self.gdn is not None:
+            self.gdn.commit(n)
+        self.lengths += n

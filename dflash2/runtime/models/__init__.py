@@ -1,0 +1,45 @@
+"""Runtime target families and :func:`load_model` (an HF folder -> the runtime model of its family)."""
+
+from __future__ import annotations
+
+import torch
+
+from dflash2.runtime.models.base import ModelOutput, RuntimeCausalLM
+from dflash2.runtime.models.llama import Llama
+from dflash2.runtime.models.loading import load_weights, parse_dtype, read_text_config
+from dflash2.runtime.models.qwen3 import Qwen3
+from dflash2.runtime.models.qwen3_5 import Qwen3_5
+
+# HF text model_type -> runtime class
+FAMILIES: dict[str, type[RuntimeCausalLM]] = {
+    "qwen3": Qwen3,
+    "llama": Llama,
+    "qwen3_5_text": Qwen3_5,
+}
+
+
+def load_model(folder, *, dtype=None, device="cpu", target_layer_ids=()) -> RuntimeCausalLM:
+    """The runtime model of the HF checkpoint in ``folder`` (config.json + *.safetensors).
+
+    dtype: None/'auto' keeps the stored dtype; else a torch.dtype or 'bfloat16'/'float16'/'float32'.
+    target_layer_ids: layers whose outputs the forward returns as taps (see ``RuntimeCausalLM.set_taps``).
+    The result is in eval mode with gradients off (a frozen target).
+    """
+    folder = str(folder)
+    config, text = read_text_config(folder)
+    family = FAMILIES.get(text.model_type)
+    if family is None:
+        raise NotImplementedError(
+            f"{folder}: model_type {text.model_type!r} has no runtime forward (supported: {sorted(FAMILIES)})"
+        )
+    dtype = parse_dtype(dtype, folder)
+    with torch.device("meta"):
+        model = family(text)
+    tie = bool(getattr(text, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False))
+    load_weights(model, folder, dtype, device, tie)
+    model.to(device)  # non-parameter state (RoPE frequencies) built on the CPU
+    model.set_taps(target_layer_ids)
+    return model.eval().requires_grad_(False)
+
+
+__all__ = ["FAMILIES", "Llama", "ModelOutput", "Qwen3", "Qwen3_5", "RuntimeCausalLM", "load_model"]

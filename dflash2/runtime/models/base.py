@@ -1,0 +1,118 @@
+"""What every runtime target family shares around its own forward: state allocation, taps, the LM head.
+
+A family (qwen3.py, llama.py, qwen3_5.py) subclasses :class:`RuntimeCausalLM`, builds
+its layers in ``__init__`` from the HF text config, declares ``KEY_MAP`` (its names
+<-> HF checkpoint names, loading.py) and writes ``forward``:
+
+    out = model(tokens, state)          # tokens (N, T) at positions state.lengths + 0..T-1
+    state.commit(n)                     # keep n[r] of the T tokens of row r
+
+Taps (docs/ARCHITECTURE.md §2.1): the outputs of the decoder layers
+in ``target_layer_ids`` (HF's ``hidden_states[i + 1]``), concatenated in that order
+into (N, T, K·d), written straight into a caller's buffer when one is given (the
+drafter's context buffer) — no hooks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dflash2.runtime.cache import DecodeState, KVCache
+from dflash2.runtime.gdn_state import GDNState
+
+ATTENTION, GDN = "full_attention", "linear_attention"
+
+
+@dataclass
+class ModelOutput:
+    """logits: (N, T, V), or (N, V) when the forward got ``logits_index``; taps: (N, T, K·d) or None."""
+
+    logits: torch.Tensor
+    taps: torch.Tensor | None
+
+
+class RuntimeCausalLM(nn.Module):
+    """Base of the runtime targets. Subclasses set the attributes below in ``__init__``.
+
+    embed (V, d) / lm_head (d -> V) / norm: the embedding, output projection and final norm;
+    layer_types: per layer 'full_attention' or 'linear_attention';
+    num_kv_heads, head_dim, num_heads: attention shapes (for the KV cache);
+    gdn_dims: kwargs of :class:`GDNState` besides layers/batch/dtype/device, or None.
+    """
+
+    KEY_MAP = None  # loading.KeyMap, set by each family
+
+    def __init__(self, text_config):
+        super().__init__()
+        self.config = text_config
+        self.vocab_size = int(text_config.vocab_size)
+        self.hidden_size = int(text_config.hidden_size)
+        self.num_layers = int(text_config.num_hidden_layers)
+        self.target_layer_ids: list[int] = []
+        self.layer_types: list[str] = [ATTENTION] * self.num_layers
+        self.num_heads = self.num_kv_heads = self.head_dim = 0
+        self.gdn_dims: dict | None = None
+
+    # ------------------------------------------------------------------ state
+    def slots(self) -> list[int]:
+        """Per layer, its index among the layers of its own kind (KV-cache slot or GDN-state slot)."""
+        seen = {ATTENTION: 0, GDN: 0}
+        out = []
+        for kind in self.layer_types:
+            out.append(seen[kind])
+            seen[kind] += 1
+        return out
+
+    def new_state(self, batch_size: int, max_len: int, device=None) -> DecodeState:
+        """Empty caches for ``batch_size`` rows of up to ``max_len`` positions (prompt + generated + one block)."""
+        weight = self.embed.weight
+        device = weight.device if device is None else device
+        n_attn, n_gdn = self.layer_types.count(ATTENTION), self.layer_types.count(GDN)
+        kv = None
+        if n_attn:
+            kv = KVCache(
+                n_attn,
+                batch_size,
+                self.num_kv_heads,
+                max_len,
+                self.head_dim,
+                groups=self.num_heads // self.num_kv_heads,
+                dtype=weight.dtype,
+                device=device,
+            )
+        gdn = GDNState(n_gdn, batch_size, dtype=weight.dtype, device=device, **self.gdn_dims) if n_gdn else None
+        lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        return DecodeState(lengths, kv, gdn)
+
+    # ------------------------------------------------------------------- taps
+    def set_taps(self, target_layer_ids) -> None:
+        """Tap the outputs of these layers (0-based, concatenated in this order); [] turns taps off."""
+        ids = [int(i) for i in target_layer_ids]
+        bad = [i for i in ids if not 0 <= i < self.num_layers]
+        if bad or len(set(ids)) != len(ids):
+            raise ValueError(f"target_layer_ids {ids} must be distinct layers in 0..{self.num_layers - 1}")
+        self.target_layer_ids = ids
+
+    def _tap_buffer(self, N: int, T: int, taps_out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+        """(N, T, K·d) where the taps go: the caller's buffer (any strided view) or a new tensor."""
+        if not self.target_layer_ids:
+            return None
+        if taps_out is not None:
+            return taps_out
+        return like.new_empty(N, T, len(self.target_layer_ids) * self.hidden_size)
+
+    def _tap(self, taps: torch.Tensor | None, layer: int, h: torch.Tensor) -> None:
+        """Copy layer ``layer``'s output h (N, T, d) into its slice of taps, if it is tapped."""
+        if taps is not None and layer in self.target_layer_ids:
+            j = self.target_layer_ids.index(layer)
+            taps[..., j * self.hidden_size : (j + 1) * self.hidden_size].copy_(h)
+
+    # ------------------------------------------------------------------- head
+    def _logits(self, h: torch.Tensor, logits_index: torch.Tensor | None) -> torch.Tensor:
+        """Final norm + LM head. h (N, T, d) -> (N, T, V); with logits_index (N,) long -> (N, V) at those t."""
+        if logits_index is not None:
+            h = h.gather(1, logits_index[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]  # (N, d)
+        return self.lm_head(self.norm(h))

@@ -1,0 +1,189 @@
+"""Layers shared by the runtime's target families: RMSNorm, RoPE, the SwiGLU MLP and softmax attention.
+
+Each family file (qwen3.py, llama.py, qwen3_5.py) assembles its decoder from these
+and owns its forward. The dtype handling copies the HF modeling code on purpose
+(normalise in fp32, round back where HF rounds back) so that bf16 runs match HF's
+bf16 numerics as closely as fp32 runs match its fp32 ones.
+
+Shapes: N rows, T tokens in the step, d hidden, H query heads, Hkv key/value heads,
+G = H / Hkv, D head_dim, S cache positions attended (see cache.py), R rotary dims.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash2.runtime.cache import KVCache, StepMeta
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) · w over the last dim.
+
+    offset=False (Llama, Qwen3): weight starts at 1; as in HF, normalise in fp32,
+    round to x's dtype, then multiply by w. offset=True (Qwen3.5, Qwen3-Next): the
+    weight is stored zero-centred and the scale is (1 + w), applied in fp32 before
+    the single rounding back.
+    """
+
+    def __init__(self, dim: int, eps: float, offset: bool = False):
+        super().__init__()
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (y * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * y.to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(x) · w · silu(gate): the output norm of a Gated DeltaNet head (x, gate: (..., dv))."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        y = self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (y * F.silu(gate.float())).to(x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) · up(x)), d -> I -> d."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# ----------------------------------------------------------------------------- RoPE
+def rope_inv_freq(text_config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (R/2,) fp32 on the CPU and the cos/sin scale, from an HF text config.
+
+    R = head_dim · partial_rotary_factor (Qwen3.5 rotates a quarter of each head).
+    'default' RoPE is computed here; scaled variants whose frequencies do not depend
+    on the sequence length (linear, llama3, yarn) come from transformers' own
+    init functions, so that long-context checkpoints load with the exact frequencies.
+    Dynamic variants (dynamic NTK, longrope) change with the length and are refused.
+    """
+    params = dict(getattr(text_config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", getattr(text_config, "rope_theta", 10000.0)))
+    partial = float(params.get("partial_rotary_factor", getattr(text_config, "partial_rotary_factor", 1.0)))
+    rot = int(head_dim * partial)
+    if rope_type == "default":
+        # CPU on purpose: models are built on the meta device and moved afterwards (loading.py).
+        inv = 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.float32, device="cpu") / rot))
+        return inv, 1.0
+    if rope_type in ("linear", "llama3", "yarn"):
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        with torch.device("cpu"):  # its tensors are made without a device: keep them off the meta device
+            inv, scale = ROPE_INIT_FUNCTIONS[rope_type](text_config, device="cpu")
+        return inv.float().cpu(), float(scale)
+    raise NotImplementedError(f"RoPE type {rope_type!r} is not supported by the runtime (default/linear/llama3/yarn)")
+
+
+class Rotary(nn.Module):
+    """cos/sin tables at the step's absolute positions, computed once per forward for all layers."""
+
+    def __init__(self, inv_freq: torch.Tensor, scale: float = 1.0):
+        super().__init__()
+        self.inv_freq = inv_freq.float()  # (R/2,) fp32; a plain attribute, not a buffer: see _apply
+        self.scale = scale
+
+    def _apply(self, fn, recurse=True):
+        # model.to(device) moves inv_freq; model.to(bf16) must not round it (RoPE angles of long
+        # positions would drift), so only the device of fn's result is taken.
+        probe = fn(torch.empty(0, device=self.inv_freq.device))
+        self.inv_freq = self.inv_freq.to(probe.device)
+        return super()._apply(fn, recurse)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (N, T) long -> cos, sin (N, 1, T, R) in ``dtype`` (rotate-half layout)."""
+        freqs = positions[..., None].float() * self.inv_freq  # (N, T, R/2) fp32
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # (N, 1, T, R)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first R dims of x (N, h, T, D) (all of them when R == D); the rest pass through."""
+    rot = cos.shape[-1]
+    xr, xp = x[..., :rot], x[..., rot:]
+    x1, x2 = xr.chunk(2, dim=-1)
+    xr = xr * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return torch.cat([xr, xp], dim=-1) if xp.shape[-1] else xr
+
+
+# ----------------------------------------------------------------------------- attention
+class Attention(nn.Module):
+    """Causal softmax attention over the static KV cache (GQA without K/V copies).
+
+    qk_norm: RMSNorm on each q/k head before RoPE (Qwen3, Qwen3.5); norm_offset picks
+    the (1 + w) convention. output_gate (Qwen3.5): q_proj also emits a per-head gate,
+    laid out [q_h | gate_h] per head, and the attention output is multiplied by
+    sigmoid(gate) before o_proj.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        bias: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+        norm_offset: bool = False,
+        output_gate: bool = False,
+    ):
+        super().__init__()
+        self.h, self.hkv, self.hd, self.output_gate = num_heads, num_kv_heads, head_dim, output_gate
+        self.q_proj = nn.Linear(dim, num_heads * head_dim * (2 if output_gate else 1), bias=bias)
+        self.k_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, dim, bias=bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, norm_eps, norm_offset)
+            self.k_norm = RMSNorm(head_dim, norm_eps, norm_offset)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: KVCache,
+        slot: int,
+        meta: StepMeta,
+    ) -> torch.Tensor:
+        """x (N, T, d) -> (N, T, d); writes this step's K/V into cache slot ``slot`` at meta.positions."""
+        N, T, _ = x.shape
+        q = self.q_proj(x).view(N, T, self.h, -1)  # (N, T, H, D) or (N, T, H, 2D) with the gate
+        if self.output_gate:
+            q, gate = q.chunk(2, dim=-1)  # (N, T, H, D) each
+        k = self.k_proj(x).view(N, T, self.hkv, self.hd)
+        v = self.v_proj(x).view(N, T, self.hkv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (N, h, T, D)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        kv.write(slot, k, v, meta)
+        y = kv.attend(slot, q, meta)  # (N, H, T, D)
+        y = y.transpose(1, 2).reshape(N, T, self.h * self.hd)
+        if self.output_gate:
+            y = y * torch.sigmoid(gate.reshape(N, T, self.h * self.hd))
+        return self.o_proj(y)

@@ -1,0 +1,141 @@
+"""Gated DeltaNet verify / commit (dflash2.runtime.gdn_state) against token-by-token decoding and HF.
+
+The ReplaySSM contract: ``verify`` of T tokens from the untouched state followed by
+``commit(n)`` must leave exactly the state that feeding the first n[r] tokens of row r
+one at a time leaves — for every n in 1..T ("zero drafts accepted" still commits the
+one corrected token) and for a different n per row — and verify's outputs must be
+the token-by-token outputs.
+"""
+
+import pytest
+import torch
+
+from dflash2.runtime.gdn_state import GDNState, gdn_verify
+
+N, T, K = 3, 6, 4
+HK, H, DK, DV = 2, 4, 8, 8  # 2 key heads serve 4 value heads, as in the GQA-style GDN configs
+C = 2 * HK * DK + H * DV
+
+
+def _inputs(seed: int, steps: int = T):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, steps, C, generator=g)
+    conv_weight = 0.5 * torch.randn(C, 1, K, generator=g)
+    decay = -torch.rand(N, steps, H, generator=g)  # log decays in (-1, 0]
+    beta = torch.rand(N, steps, H, generator=g)
+    return x, conv_weight, decay, beta
+
+
+def _state(seed: int) -> GDNState:
+    """A state that already holds some history (non-zero conv window and recurrent state)."""
+    s = GDNState(
+        1,
+        N,
+        conv_dim=C,
+        conv_kernel=K,
+        num_k_heads=HK,
+        num_v_heads=H,
+        head_k_dim=DK,
+        head_v_dim=DV,
+        dtype=torch.float32,
+        device="cpu",
+    )
+    g = torch.Generator().manual_seed(seed)
+    s.conv.copy_(torch.randn(s.conv.shape, generator=g))
+    s.rec.copy_(0.3 * torch.randn(s.rec.shape, generator=g))
+    return s
+
+
+def _clone(s: GDNState) -> GDNState:
+    c = _state(0)
+    c.conv.copy_(s.conv)
+    c.rec.copy_(s.rec)
+    return c
+
+
+def _token_by_token(s: GDNState, x, w, decay, beta, n: torch.Tensor) -> torch.Tensor:
+    """Feed tokens one at a time (verify 1 + commit 1); row r stops after n[r]. Returns o (N, T, H, DV)."""
+    outs = []
+    for t in range(x.shape[1]):
+        outs.append(s.verify(0, x[:, t : t + 1], w, decay[:, t : t + 1], beta[:, t : t + 1]))
+        s.commit((t < n).long())
+    return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("n", [[k] * N for k in range(1, T + 1)] + [[1, 4, 6], [6, 2, 1], [0, 3, 5]])
+def test_verify_then_commit_equals_token_by_token(n):
+    n = torch.tensor(n)
+    x, w, decay, beta = _inputs(seed=1)
+    spec, ref = _state(2), _state(2)
+    o_verify = spec.verify(0, x, w, decay, beta)
+    before = (spec.conv.clone(), spec.rec.clone())
+    assert torch.equal(spec.conv, ref.conv) and torch.equal(spec.rec, ref.rec)  # verify wrote nothing
+    spec.commit(n)
+    o_steps = _token_by_token(ref, x, w, decay, beta, n)
+    # replay repeats verify's two updates in the same order: the fold is exact in practice (≤ 1 ulp)
+    torch.testing.assert_close(spec.rec, ref.rec, rtol=0, atol=1e-6)
+    torch.testing.assert_close(spec.conv, ref.conv, rtol=0, atol=0)  # a copy of inputs: exact
+    # every token's output equals the token-by-token output (rows past n[r] too, when fed in full)
+    full = _token_by_token(_state(2), x, w, decay, beta, torch.full((N,), T))
+    torch.testing.assert_close(o_verify, full, rtol=0, atol=1e-6)
+    torch.testing.assert_close(o_verify[:, :1], o_steps[:, :1], rtol=0, atol=1e-6)
+    zero = n == 0  # rows that took no part keep their state
+    assert torch.equal(spec.rec[0, zero], before[1][0, zero]) and torch.equal(spec.conv[0, zero], before[0][0, zero])
+
+
+def test_conv_window_after_commit_is_last_inputs():
+    """New window = last K-1 columns of [old window | x_1 .. x_n] for each row's own n."""
+    x, w, decay, beta = _inputs(seed=3)
+    s = _state(4)
+    old = s.conv[0].clone()
+    s.verify(0, x, w, decay, beta)
+    n = torch.tensor([1, 2, 6])
+    s.commit(n)
+    for r in range(N):
+        seq = torch.cat([old[r], x[r].T], dim=-1)  # (C, K-1+T)
+        k = int(n[r])
+        torch.testing.assert_close(s.conv[0, r], seq[:, k : k + K - 1], rtol=0, atol=0)
+
+
+def test_commit_needs_a_verify():
+    s = _state(0)
+    with pytest.raises(RuntimeError, match="without a verify"):
+        s.commit(torch.ones(N, dtype=torch.long))
+
+
+def test_gdn_verify_matches_hf_functions():
+    """Against transformers' own plain-PyTorch GDN functions (causal_conv1d_update +
+    torch_recurrent_gated_delta_rule with qk L2 norm): same outputs and same final states."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    x, w, decay, beta = _inputs(seed=5)
+    s = _state(6)
+    conv0, rec0 = s.conv[0].clone(), s.rec[0].clone()
+    o = s.verify(0, x, w, decay, beta)
+    s.commit(torch.full((N,), T))
+    # HF keeps K conv columns (the oldest is never read); its update writes the state in place
+    hf_conv = torch.cat([torch.zeros(N, C, 1), conv0], dim=-1)
+    y = hf.causal_conv1d_update(x.transpose(1, 2), hf_conv, w.squeeze(1), None, "silu").transpose(1, 2)
+    q, k, v = y.split([HK * DK, HK * DK, H * DV], dim=-1)
+    o_hf, rec_hf = hf.torch_recurrent_gated_delta_rule(
+        q.reshape(N, T, HK, DK),
+        k.reshape(N, T, HK, DK),
+        v.reshape(N, T, H, DV),
+        g=decay,
+        beta=beta,
+        initial_state=rec0,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    torch.testing.assert_close(o, o_hf, rtol=0, atol=1e-6)
+    torch.testing.assert_close(s.rec[0], rec_hf, rtol=0, atol=1e-6)
+    torch.testing.assert_close(s.conv[0], hf_conv[..., 1:], rtol=0, atol=0)
+
+
+def test_verify_keeps_bf16_inputs_and_fp32_state():
+    """Model-dtype logs/outputs, fp32 recurrence: o comes back in x's dtype, the state stays fp32."""
+    x, w, decay, beta = _inputs(seed=7)
+    s = _state(8)
+    o, log = gdn_verify(x.bfloat16(), s.conv[0].bfloat16(), w.bfloat16(), s.rec[0], decay, beta.bfloat16(), HK, DK)
+    assert o.dtype == torch.bfloat16 and log.u.dtype == log.k.dtype == log.g.dtype == torch.float32
+    assert log.x.dtype == torch.bfloat16
