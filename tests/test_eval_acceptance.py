@@ -15,7 +15,10 @@ from dflash2.drafter import DFlashDrafter, save_drafter
 from dflash2.errors import DFlash2Error
 from dflash2.eval import acceptance as acceptance_mod
 from dflash2.eval import acceptance_cli, evaluate_acceptance, load_prompts
+from dflash2.eval import heldout_tau as heldout_tau_mod
 from dflash2.eval.acceptance import FILES, acceptance_stats
+from dflash2.eval.heldout_tau import measure_heldout_tau
+from dflash2.eval.prompts import heldout_prompts
 from dflash2.target import TargetModel
 from dflash2.tokenizer import train_bpe_tokenizer
 
@@ -86,6 +89,29 @@ def test_acceptance_stats_count_emitted_tokens_and_raw_accepted_drafts():
     assert stats["mean_accepted_drafts"] == 7 / 4 == sum(stats["per_position_acceptance"])
     assert stats["per_position_acceptance"] == [3 / 4, 2 / 4, 2 / 4]  # raw counts: the cut step still counts
     assert stats["accepted_drafts_histogram"] == [1, 1, 0, 2]
+
+
+def test_measured_heldout_tau_decodes_the_prompts_api_sample_losslessly(saved, tmp_path, monkeypatch):
+    """What train.py reports as its result: lossless T=0 decoding of held-out prompts from the prompts API."""
+    target, drafter = saved["target"], saved["drafter"]
+    stdlib = [{"kind": "stdlib"}]
+    m = measure_heldout_tau(
+        target, drafter, sources=stdlib, num_prompts=2, prompt_tokens=12, max_new_tokens=6, seed=0, output_dir=tmp_path
+    )
+    assert next(iter(m)) == "tau" and m["lossless"] is True and m["num_prompts"] == 2 and m["skipped_prompts"] == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert m["tau"] == results["mean_tau"] and m["steps"] == results["steps"] > 0
+    assert results["settings"]["temperature"] == 0.0 and results["settings"]["num_prompts_asked"] == 2
+    expected = heldout_prompts(target.tokenizer, num_prompts=2, prompt_tokens=12, sources=stdlib)
+    rows = [json.loads(line) for line in (tmp_path / "outputs.jsonl").read_text().splitlines()]
+    assert [r["source"] for r in rows] == [p.source for p in expected]
+    # no held-out document that long: one line naming the knob
+    monkeypatch.setattr(heldout_tau_mod, "heldout_prompts", lambda *a, **k: [])
+    with pytest.raises(
+        DFlash2Error, match=r"no held-out document has 64 tokens.*lower heldout_tau\.prompt_tokens"
+    ) as e:
+        measure_heldout_tau(target, drafter, sources=stdlib, num_prompts=2, prompt_tokens=64, max_new_tokens=6, seed=0)
+    assert "\n" not in str(e.value)
 
 
 def test_mismatch_is_reported_with_the_logit_margin(saved, monkeypatch):

@@ -43,7 +43,7 @@ def measure_heldout_tau(
     prompts = heldout_prompts(target.tokenizer, num_prompts=num_prompts, prompt_tokens=prompt_tokens, sources=sources)
     if not prompts:
         raise DFlash2Error(
-            f"no held-out document has {prompt_tokens} tokens to make a prompt of; lower measure_tau.prompt_tokens"
+            f"no held-out document has {prompt_tokens} tokens to make a prompt of; lower heldout_tau.prompt_tokens"
         )
     results = evaluate_acceptance(
         target,
