@@ -19,6 +19,7 @@ from dflash2.decoding import (
     speculative_generate,
     warp_probs,
 )
+from dflash2.drafter import CandidateSelector
 from dflash2.errors import DFlash2Error
 
 V, P, M = 8, 3, 40_000  # vocab, drafted positions, samples of the direct test
@@ -132,7 +133,7 @@ def test_the_statistic_rejects_wrong_acceptance_rules(dists, wrong_rule):
 
 # ------------------------------------------------------------------ end to end
 @pytest.mark.parametrize("v2", [False, True], ids=["dflash", "dflash2"])
-def test_speculative_sampling_follows_the_target_end_to_end(make_spec_target, make_spec_drafter, v2):
+def test_speculative_sampling_follows_the_target_end_to_end(make_spec_target, make_spec_drafter, v2, monkeypatch):
     """Tokens 1 to 3 of real speculative decoding (tiny vocab target, T=0.8, top-k 6) with a random DFlash
     drafter (q = its warped softmax) or DFlash2 drafter (non-trivial conv + selector: drafts and q from the
     selector's sampled path over its top-4 candidates, each position conditioned on the sampled one before).
@@ -151,6 +152,11 @@ def test_speculative_sampling_follows_the_target_end_to_end(make_spec_target, ma
     p3_given = warp_probs(target(pairs).logits[:, -1], params).view(V, V, V)  # [x1, x2] -> p(x3 | x1, x2)
     joint12 = p1[:, None] * p2_given  # (V, V)
     joint123 = joint12[:, :, None] * p3_given  # (V, V, V)
+    sampled_paths = []  # the selector's sampled path must be what drafts (and gives q) at T>0
+    real_sample_path = CandidateSelector.sample_path
+    monkeypatch.setattr(
+        CandidateSelector, "sample_path", lambda *a, **k: sampled_paths.append(1) or real_sample_path(*a, **k)
+    )
 
     res = speculative_generate(
         target,
@@ -165,6 +171,7 @@ def test_speculative_sampling_follows_the_target_end_to_end(make_spec_target, ma
     accepted = torch.tensor([acc[0] for acc in res.accepted_drafts])
     # the residual, one accepted draft and two accepted drafts (the path's second, conditional q) all ran
     assert (accepted == 0).any() and (accepted == 1).any() and (accepted >= 2).any()
+    assert bool(sampled_paths) == v2
     assert chi2_pvalue(out[:, 0], p1) > PASS
     assert chi2_pvalue(out[:, 1], joint12.sum(0)) > PASS
     assert chi2_pvalue(out[:, 2], joint123.sum((0, 1))) > PASS
