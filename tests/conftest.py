@@ -5,10 +5,16 @@ repeatable; session-scoped fixtures build the micro models once.
 """
 
 import os
+import random
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU, the runtime's Triton kernels are tested through Triton's interpreter, which has to be
+# chosen before triton is first imported (test_runtime_kernels.py); CPU tensors reach the kernels only
+# inside dflash2.runtime.kernels.on_cpu(). With a GPU the kernels run for real.
+if not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0")):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pathlib import Path
 
@@ -37,6 +43,62 @@ def subprocess_env(**extra: str) -> dict[str, str]:
         "MKL_NUM_THREADS": "1",
         **extra,
     }
+
+
+def write_near_copy_families(root: Path, families: int = 30, copies: int = 4) -> list[list[str]]:
+    """Families of near-copies (one line in ten rewritten) under unrelated names, plus 100 unrelated
+    files, in a `dir` corpus named "fam" (tests of the near-duplicate split); returns each family's keys."""
+    rng = random.Random(0)
+
+    def word() -> str:
+        return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(8))
+
+    keys = []
+    for _ in range(families):
+        base = [f"def {word()}(x):\n    return x * {rng.randint(2, 10**6)} + {word()}" for _ in range(30)]
+        family = []
+        for _ in range(copies):
+            lines = [word() + " = 0" if rng.random() < 0.1 else line for line in base]
+            name = f"{word()}/{word()}.py"  # the name tells nothing about the family
+            _write_text(root / name, "\n".join(lines) + "\n")
+            family.append(f"dir:fam:{name}")
+        keys.append(family)
+    for i in range(100):  # unrelated documents
+        _write_text(root / f"solo/{word()}.py", "\n".join(f"{word()} = '{word()}{i}'" for _ in range(20)) + "\n")
+    return keys
+
+
+def _write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+
+
+class _RunsOnLoad:
+    """Unpickling this calls ``func(*args)``: what a crafted ``.ckpt`` can make ``torch.load`` do."""
+
+    def __init__(self, func, args):
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return self.func, self.args
+
+
+def crafted_checkpoint(path: Path, marker: Path, base: dict, how: str = "touch", legacy: bool = False) -> Path:
+    """Save ``base`` (a real checkpoint dict) to ``path`` plus one entry whose unpickling creates ``marker``.
+
+    how: "touch" (``pathlib.Path.touch(marker)``) or "shell" (``os.system("touch marker")``); legacy: torch's
+    pre-1.6 non-zip format. A load with ``weights_only=False`` creates the marker and returns an otherwise
+    valid checkpoint.
+    """
+    import shlex
+
+    if how == "touch":
+        payload = _RunsOnLoad(Path.touch, (Path(marker),))
+    else:
+        payload = _RunsOnLoad(os.system, (f"touch {shlex.quote(str(marker))}",))
+    torch.save({**base, "notes": payload}, path, _use_new_zipfile_serialization=not legacy)
+    assert not Path(marker).exists()
+    return Path(path)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -202,10 +264,8 @@ def spec_target(kind: str, seed: int = 0, **kw):
 
 
 def spec_drafter(target, block_size: int, v2: bool = False, seed: int = 1):
-    """A random DFlash (v1) or DFlash2 (conv + selector) drafter matching ``target``.
-
-    The DFlash2 one has its conv and selector moved off their init (``randomize_dflash2_additions``):
-    at init they are exact no-ops and would draft what v1 drafts, testing nothing of their own."""
+    """A random DFlash (v1) or DFlash2 (conv + selector) drafter matching ``target``. The DFlash2
+    additions are at their init (no-ops): pass it through ``nontrivial_dflash2`` to test them."""
     from dflash2.drafter import DFlashDrafter, DrafterConfig
 
     cfg = DrafterConfig(
@@ -229,32 +289,7 @@ def spec_drafter(target, block_size: int, v2: bool = False, seed: int = 1):
         selector_top_k=4,
     )
     torch.manual_seed(seed)
-    drafter = DFlashDrafter(cfg).eval()
-    if v2:
-        randomize_dflash2_additions(drafter, seed)
-    return drafter
-
-
-def randomize_dflash2_additions(drafter, seed: int) -> None:
-    """Non-trivial DFlash2 additions, in place: a fresh conv is the identity (base kernel tap 0 = 1, no
-    dynamic part) and a fresh selector's pair term is ~0 (plain argmax). Here the base kernel is
-    perturbed, the kernel projection and the codebooks are random. Scales: with the spec targets'
-    logits (std ~0.6) the pair term then changes 30-75% of the greedy drafts (measured over both
-    targets, B 4-16, a few seeds), so the unary logits still matter too."""
-    g = torch.Generator().manual_seed(1000 + seed)
-
-    def normal(param, std):
-        param.copy_(std * torch.randn(param.shape, generator=g))
-
-    with torch.no_grad():
-        for layer in drafter.layers:
-            for conv in (layer.attention_conv, layer.mlp_conv):
-                conv.base_kernel.add_(0.5 * torch.randn(conv.base_kernel.shape, generator=g))
-                normal(conv.kernel_projection.weight, 0.5)
-        selector = drafter.candidate_selector
-        normal(selector.predecessor_codebook, 0.6)
-        normal(selector.successor_codebook, 0.6)
-        normal(selector.hidden_projection.weight, 0.2)
+    return DFlashDrafter(cfg).eval()
 
 
 @pytest.fixture(scope="session")
@@ -271,6 +306,89 @@ def make_spec_target():
 @pytest.fixture(scope="session")
 def make_spec_drafter():
     return spec_drafter
+
+
+# ---------------------------------------------------------------- runtime (issue 13)
+# The runtime's own forwards are checked against HF for three families: attention-only Qwen3,
+# Llama (biases, tied embeddings, Llama-3 RoPE scaling) and the Qwen3.5 hybrid (3 GDN : 1 attention).
+RUNTIME_KINDS = ("qwen3", "llama", "qwen3_5")
+
+
+def runtime_hf_config(kind: str, vocab_size: int = SPEC_VOCAB):
+    import transformers
+
+    if kind != "llama":
+        return spec_target_config(kind, vocab_size)  # qwen3_5: partial RoPE (1/4 of each head)
+    return transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        initializer_range=0.1,
+        max_position_embeddings=1024,
+        attention_bias=True,  # biases are randomised below, so they are really checked
+        tie_word_embeddings=True,  # the checkpoint has no lm_head.weight: the loader ties
+        # Llama-3 frequency scaling, with an original context short enough to change some frequencies
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    )
+
+
+def build_runtime_hf(kind: str, seed: int = 0, vocab_size: int = SPEC_VOCAB):
+    """A random fp32 HF model of ``kind`` (biases randomised too: zero biases would check nothing)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(runtime_hf_config(kind, vocab_size)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_targets(tmp_path_factory):
+    """{kind: (HF model fp32, folder with its fp32 safetensors)} for every runtime family, built once."""
+    out = {}
+    for kind in RUNTIME_KINDS:
+        model = build_runtime_hf(kind)
+        folder = tmp_path_factory.mktemp(f"rt_{kind}")
+        model.save_pretrained(folder)
+        out[kind] = (model, folder)
+    return out
+
+
+def nontrivial_dflash2(drafter, seed: int = 7):
+    """Move a DFlash2 drafter's conv off the identity and its selector off ~argmax (in place).
+
+    At init both are no-ops (identity conv, near-zero pair term): a fresh DFlash2 drafter drafts what
+    v1 drafts, and a test through it would check nothing of its own. Scales: with the spec targets'
+    logits (std ~0.6) the pair term changes 30-75% of the greedy drafts (measured over both targets,
+    B 4-16, a few seeds), so the unary logits still matter too."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in drafter.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel.add_(0.5 * torch.randn(conv.base_kernel.shape, generator=g))
+                conv.kernel_projection.weight.copy_(0.5 * torch.randn(conv.kernel_projection.weight.shape, generator=g))
+        sel = drafter.candidate_selector
+        for p, std in (
+            (sel.predecessor_codebook, 0.6),
+            (sel.successor_codebook, 0.6),
+            (sel.hidden_projection.weight, 0.2),
+        ):
+            p.copy_(std * torch.randn(p.shape, generator=g))
+    return drafter
 
 
 # ---------------------------------------------------------------- statistics

@@ -9,16 +9,16 @@ from itertools import pairwise
 
 import pytest
 import torch
+from conftest import nontrivial_dflash2
 
-from dflash2.corpus import load_documents, split_of
+from dflash2.corpus import document_splits, load_documents
 from dflash2.drafter import DFlashDrafter, save_drafter
 from dflash2.errors import DFlash2Error
 from dflash2.eval import acceptance as acceptance_mod
 from dflash2.eval import acceptance_cli, evaluate_acceptance, load_prompts
-from dflash2.eval import heldout_tau as heldout_tau_mod
 from dflash2.eval.acceptance import FILES, acceptance_stats
 from dflash2.eval.heldout_tau import measure_heldout_tau
-from dflash2.eval.prompts import heldout_prompts
+from dflash2.eval.prompts import prompt_set
 from dflash2.target import TargetModel
 from dflash2.tokenizer import train_bpe_tokenizer
 
@@ -35,7 +35,7 @@ def saved(tmp_path_factory, make_spec_target, make_spec_drafter):
     target.model.save_pretrained(root / "target")
     tokenizer.save_pretrained(root / "target")
     target.tokenizer = tokenizer
-    drafter = make_spec_drafter(target, 4, v2=True)
+    drafter = nontrivial_dflash2(make_spec_drafter(target, 4, v2=True))
     save_drafter(drafter, root / "drafter")
     prompts = root / "prompts.jsonl"
     prompts.write_text('{"prompt": "def add(a, b):"}\n\n{"prompt": "import os\\nimport sys"}\n')
@@ -91,27 +91,21 @@ def test_acceptance_stats_count_emitted_tokens_and_raw_accepted_drafts():
     assert stats["accepted_drafts_histogram"] == [1, 1, 0, 2]
 
 
-def test_measured_heldout_tau_decodes_the_prompts_api_sample_losslessly(saved, tmp_path, monkeypatch):
-    """What train.py reports as its result: lossless T=0 decoding of held-out prompts from the prompts API."""
+def test_measured_heldout_tau_decodes_the_prompts_api_sample_losslessly(saved, tmp_path, caplog):
+    """What train.py reports as its result: lossless T=0 decoding of the prompts API's seeded held-out sample."""
     target, drafter = saved["target"], saved["drafter"]
-    stdlib = [{"kind": "stdlib"}]
-    m = measure_heldout_tau(
-        target, drafter, sources=stdlib, num_prompts=2, prompt_tokens=12, max_new_tokens=6, seed=0, output_dir=tmp_path
-    )
-    assert next(iter(m)) == "tau" and m["lossless"] is True and m["num_prompts"] == 2 and m["skipped_prompts"] == 0
+    with caplog.at_level(logging.WARNING):
+        m = measure_heldout_tau(
+            target, drafter, num_prompts=2, prompt_tokens=12, max_new_tokens=6, seed=3, output_dir=tmp_path
+        )
+    assert next(iter(m)) == "tau" and m["lossless"] is True and m["num_prompts"] == 2 and m["fewer_prompts"] == []
     results = json.loads((tmp_path / "results.json").read_text())
     assert m["tau"] == results["mean_tau"] and m["steps"] == results["steps"] > 0
-    assert results["settings"]["temperature"] == 0.0 and results["settings"]["num_prompts_asked"] == 2
-    expected = heldout_prompts(target.tokenizer, num_prompts=2, prompt_tokens=12, sources=stdlib)
-    rows = [json.loads(line) for line in (tmp_path / "outputs.jsonl").read_text().splitlines()]
-    assert [r["source"] for r in rows] == [p.source for p in expected]
-    # no held-out document that long: one line naming the knob
-    monkeypatch.setattr(heldout_tau_mod, "heldout_prompts", lambda *a, **k: [])
-    with pytest.raises(
-        DFlash2Error, match=r"no held-out document has 64 tokens.*lower heldout_tau\.prompt_tokens"
-    ) as e:
-        measure_heldout_tau(target, drafter, sources=stdlib, num_prompts=2, prompt_tokens=64, max_new_tokens=6, seed=0)
-    assert "\n" not in str(e.value)
+    assert results["settings"]["temperature"] == 0.0 and results["settings"]["check_lossless"] is True
+    # this drafter records no training split: the default data config's held-out split, said in the log
+    expected = prompt_set("heldout", target.tokenizer, num_prompts=2, prompt_tokens=12, seed=3)
+    assert results["prompt_set"]["prompts"] == expected.info["prompts"] and len(expected.prompts) == 2
+    assert results["prompt_set"]["data_split_recorded"] is False and "does not record the data" in caplog.text
 
 
 def test_mismatch_is_reported_with_the_logit_margin(saved, monkeypatch):
@@ -194,10 +188,11 @@ def test_bad_prompt_files_name_the_line(saved, tmp_path, content, message):
         assert str(path) in str(err.value)
 
 
-def test_heldout_prompts_are_fixed_length_prefixes_of_heldout_files(saved):
+def test_heldout_prompts_are_fixed_length_passages_of_heldout_files(saved):
     prompts = load_prompts("heldout", saved["target"].tokenizer, num_prompts=2, prompt_tokens=16)
     assert len(prompts) == 2 and all(len(p.ids) == 16 for p in prompts)
-    assert all(split_of(p.source) == "heldout" for p in prompts)
+    splits = document_splits([{"kind": "stdlib"}])
+    assert all(splits[p.source] == "heldout" for p in prompts)
     with pytest.raises(DFlash2Error, match="no tokenizer"):
         load_prompts("heldout", None)
     with pytest.raises(DFlash2Error, match="not found"):
@@ -216,9 +211,10 @@ def _cli(monkeypatch, *overrides):
     acceptance_cli.main()
 
 
-def test_cli_writes_results_from_saved_folders(saved, tmp_path, monkeypatch, capsys):
+def test_cli_writes_results_from_saved_folders(saved, tmp_path, monkeypatch, caplog):
     assert importlib.import_module("eval.acceptance").main is acceptance_cli.main  # the `python -m` shim
     out = tmp_path / "out"
+    caplog.set_level(logging.INFO, logger="dflash2")
     _cli(
         monkeypatch,
         f"target={saved['root'] / 'target'}",
@@ -231,7 +227,9 @@ def test_cli_writes_results_from_saved_folders(saved, tmp_path, monkeypatch, cap
     assert (out / ".hydra" / "config.yaml").is_file()  # Hydra's record lands beside the results
     res = json.loads((out / "results.json").read_text())
     assert res["lossless"] is True and res["num_prompts"] == 2
-    assert res["settings"]["prompts"] == str(saved["prompts"]) and "mean tau" in capsys.readouterr().out
+    assert res["settings"]["prompts"] == str(saved["prompts"]) and any(
+        m.startswith("mean tau ") for m in caplog.messages
+    )
     # the same target loaded back from disk decodes exactly like the in-memory one
     loaded = TargetModel.from_pretrained(str(saved["root"] / "target"), target_layer_ids=[0, 1])
     torch.testing.assert_close(loaded(torch.tensor([[5, 6]])).logits, saved["target"](torch.tensor([[5, 6]])).logits)
@@ -270,3 +268,19 @@ def test_cli_user_error_is_one_line(saved, tmp_path, monkeypatch, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: drafter folder") and "\n" not in err
+
+
+def test_cli_damaged_drafter_folder_is_one_line_and_writes_nothing(saved, tmp_path, monkeypatch, capsys):
+    """A truncated model.safetensors (issue 12) used to end in a safetensors traceback from load_drafter."""
+    import shutil
+
+    drafter = shutil.copytree(saved["root"] / "drafter", tmp_path / "drafter")
+    weights = drafter / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        _cli(monkeypatch, f"target={saved['root'] / 'target'}", f"drafter={drafter}", f"paths.output_dir={out}")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: drafter weights file {weights} is corrupted or truncated") and "\n" not in err
+    assert not any((out / f).exists() for f in FILES)

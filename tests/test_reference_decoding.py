@@ -6,8 +6,8 @@ the target token for token, for block sizes 4, 8 and 16, over >= 200 tokens.
 Scripted drafters force the extreme steps: an oracle drafting the target's own
 greedy continuation (every draft accepted, τ = B), a wrong one (nothing
 accepted, τ = 1) and a partial one (a random number accepted each step).
-The DFlash2 drafter (tests/conftest.py) has a non-trivial conv and selector, and
-a test below checks that its drafts really go through both.
+The DFlash2 drafters get a non-trivial conv and selector (``nontrivial_dflash2``,
+tests/conftest.py), and a test below checks that their drafts go through both.
 """
 
 import copy
@@ -15,6 +15,7 @@ import random
 
 import pytest
 import torch
+from conftest import nontrivial_dflash2
 
 from dflash2.decoding import DFlashProposer, SamplingParams, SpecResult, greedy_generate, speculative_generate
 from dflash2.errors import DFlash2Error
@@ -85,9 +86,10 @@ def _check_result(res: SpecResult, expected, block_size):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("block_size", [4, 8, 16])
 def test_random_drafter_equals_greedy(spec_targets, make_spec_drafter, greedy_refs, kind, block_size):
-    """Real DFlash drafters (v1 at B=4, DFlash2 conv+selector at 8/16) with random weights."""
+    """Real DFlash drafters (v1 at B=4, DFlash2 with a non-trivial conv + selector at 8/16), random weights."""
     target = spec_targets[kind]
     drafter = make_spec_drafter(target, block_size, v2=block_size > 4)
+    drafter = nontrivial_dflash2(drafter) if block_size > 4 else drafter
     # 200 tokens at B=8; 48 at B=4/16 keeps the suite fast (τ ≈ 1: a verify + a replay per token);
     # the scripted test below covers 200 tokens for every block size.
     n = N_TOKENS if block_size == 8 else 48
@@ -195,7 +197,8 @@ def test_tau_does_not_count_tokens_cut_by_eos(spec_targets, greedy_refs):
 def test_random_drafter_batch_equals_greedy(spec_targets, make_spec_drafter, greedy_refs, kind, v2, block_size):
     """Batched DFlash / DFlash2 drafting with ragged per-row context (prompts of 7, 12 and 3 tokens)."""
     target = spec_targets[kind]
-    res = speculative_generate(target, make_spec_drafter(target, block_size, v2=v2), PROMPTS, max_new_tokens=24)
+    drafter = make_spec_drafter(target, block_size, v2=v2)
+    res = speculative_generate(target, nontrivial_dflash2(drafter) if v2 else drafter, PROMPTS, max_new_tokens=24)
     _check_result(res, [f[len(p) :][:24] for f, p in zip(greedy_refs[kind], PROMPTS)], block_size)
     assert res.mean_tau >= 1.0
 
@@ -222,12 +225,12 @@ def _first_blocks(target, drafter, prompts):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_dflash2_drafter_drafts_through_its_conv_and_selector(spec_targets, make_spec_drafter, kind):
-    """The DFlash2 drafter of these tests is not at its init (identity conv, ~0 pair term, where it drafts
-    exactly what v1 drafts): the decoder's drafts differ from plain argmax of the unary logits (so a path
-    that skipped the selector would draft differently), and the conv changes the logits and the drafts
-    (vs the same weights with the conv reset to the identity)."""
+    """The DFlash2 drafter of these tests (``nontrivial_dflash2``) is not at its init (identity conv, ~0 pair
+    term, where it drafts exactly what v1 drafts): the decoder's drafts differ from plain argmax of the
+    unary logits (so a path that skipped the selector would draft differently), and the conv changes the
+    logits and the drafts (vs the same weights with the conv reset to the identity)."""
     target = spec_targets[kind]
-    drafter = make_spec_drafter(target, 8, v2=True)
+    drafter = nontrivial_dflash2(make_spec_drafter(target, 8, v2=True))
     prompts = [_prompt(10, seed) for seed in range(16)]
     drafts, logits = _first_blocks(target, drafter, prompts)
     selector_changes = (drafts != logits.argmax(-1)).float().mean()

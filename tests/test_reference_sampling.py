@@ -9,7 +9,7 @@ the p-value without scipy.
 
 import pytest
 import torch
-from conftest import chi2_pvalue
+from conftest import chi2_pvalue, nontrivial_dflash2
 
 from dflash2.decoding import (
     SamplingParams,
@@ -144,6 +144,7 @@ def test_speculative_sampling_follows_the_target_end_to_end(make_spec_target, ma
     """
     target = make_spec_target("qwen3", vocab_size=V, seed=3)
     drafter = make_spec_drafter(target, 4, v2=v2, seed=4)
+    drafter = nontrivial_dflash2(drafter) if v2 else drafter
     params = SamplingParams(0.8, top_k=6)
     prompt, n = [1, 2, 3, 4], 800  # 800 rows: ~2 target forwards each; the direct test has 40k
     p1 = warp_probs(target(torch.tensor([prompt])).logits[0, -1], params)  # (V,)

@@ -84,9 +84,11 @@ def one_run(root: str) -> None:
 
     from dflash2.drafter import load_drafter
     from dflash2.eval import evaluate_acceptance
+    from dflash2.logging_setup import configure_console_logging
     from dflash2.target import TargetModel
     from dflash2.training.run import run_from_config
 
+    configure_console_logging()  # the run's lines in the log, as train.py shows them
     root = Path(root)
     cache = root / "cache"
     calls: list = []
@@ -235,7 +237,7 @@ def test_same_seed_and_config_give_the_same_target_data_drafter_and_tau(tmp_path
     )
     assert ca == cb
     # the last Lightning checkpoint: weights and optimizer state bitwise
-    ka, kb = (torch.load(r / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False) for r in (ra, rb))
+    ka, kb = (torch.load(r / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True) for r in (ra, rb))
     assert ka["global_step"] == kb["global_step"] == TRAIN_STEPS
     assert ka["state_dict"].keys() == kb["state_dict"].keys()
     assert all(torch.equal(ka["state_dict"][k], kb["state_dict"][k]) for k in ka["state_dict"])

@@ -12,13 +12,14 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
+from dflash2.data.split_record import read_training_data
 from dflash2.drafter import DFlashDrafter, DrafterConfig, load_drafter
 from dflash2.errors import DFlash2Error
-from dflash2.eval.prompts import heldout_prompts
+from dflash2.eval.prompts import prompt_set
 from dflash2.target import TargetModel
 from dflash2.training.cli import CONFIG_DIR
 from dflash2.training.run import run_from_config
-from dflash2.training.train_drafter import format_heldout_report, format_measured_tau
+from dflash2.training.train_drafter import heldout_report_lines, measured_tau_line
 
 pytestmark = pytest.mark.slow
 
@@ -80,17 +81,24 @@ def test_the_summary_leads_with_tau_measured_by_lossless_decoding_of_heldout_pro
     assert measured["tau"] == results["mean_tau"] and 1.0 <= measured["tau"] <= 8.0
     assert measured["lossless"] is True and results["lossless"] is True
     assert measured["num_prompts"] == results["num_prompts"] == 2  # heldout_tau.num_prompts of the micro run
+    assert measured["fewer_prompts"] == []
     assert results["settings"]["temperature"] == 0.0 and results["settings"]["max_new_tokens"] == 16
-    # the prompts are what the prompts API gives for the run's held-out split, at the configured length
+    # the prompts: the prompts API's seeded sample of the held-out split the drafter records, at the set length
     target = TargetModel.from_pretrained(str(run / "target"))
-    expected = heldout_prompts(target.tokenizer, num_prompts=2, prompt_tokens=16, sources=[{"kind": "stdlib"}])
-    rows = [json.loads(line) for line in (run / "heldout_eval" / "outputs.jsonl").read_text().splitlines()]
-    assert [r["source"] for r in rows] == [p.source for p in expected]
+    expected = prompt_set(
+        "heldout",
+        target.tokenizer,
+        num_prompts=2,
+        prompt_tokens=16,
+        seed=0,
+        training_data=read_training_data(run / "drafter"),
+    )
+    assert results["prompt_set"]["prompts"] == expected.info["prompts"]  # document keys and offsets
 
-    result, estimate = format_measured_tau(measured, 1.5), format_heldout_report(on_disk)
-    assert result.startswith(f"[dflash2] RESULT: measured tau = {measured['tau']:.3f} tokens per verify step")
+    result, estimate = measured_tau_line(measured, 1.5), heldout_report_lines(on_disk)
+    assert result.startswith(f"RESULT: measured tau = {measured['tau']:.3f} tokens per verify step")
     assert "of 2 held-out prompts x 16 new tokens; output == greedy: yes" in result
-    assert estimate.startswith("[dflash2]   estimate, not a decode: tau ~ ")
+    assert estimate[0].startswith("  estimate, not a decode: tau ~ ")
 
 
 def test_the_result_line_says_when_fewer_prompts_were_decoded_or_output_differed():
@@ -99,16 +107,22 @@ def test_the_result_line_says_when_fewer_prompts_were_decoded_or_output_differed
         "lossless": False,
         "first_mismatch": {"prompt_index": 0, "token_index": 3},
         "num_prompts": 2,
-        "skipped_prompts": 1,
-        "num_prompts_asked": 8,
-        "prompt_tokens": 64,
+        "fewer_prompts": ["3 of 8 prompts asked: the held-out split has 3 documents"],
         "max_new_tokens": 32,
         "results_dir": "RUN/heldout_eval",
     }
-    line = format_measured_tau(measured, 3.0)
-    assert "of 2 held-out prompts (only 3 of the 8 asked: held-out documents of >= 64 tokens; 1 skipped" in line
+    line = measured_tau_line(measured, 3.0)
+    assert "of 2 held-out prompts (3 of 8 prompts asked: the held-out split has 3 documents) x 32 new tokens" in line
     assert "output == greedy: NO, first mismatch {'prompt_index': 0, 'token_index': 3}" in line
     assert "\n" not in line
+
+
+def test_checkpoints_hold_only_tensors_and_plain_data(trained_run):
+    """What lets every load be weights-only (issue 12): no class or function is pickled in a checkpoint."""
+    tmp, _ = trained_run
+    for ckpt in sorted((tmp / "run" / "checkpoints").iterdir()):
+        assert torch.serialization.get_unsafe_globals_in_checkpoint(str(ckpt)) == [], ckpt.name
+        assert torch.load(ckpt, map_location="cpu", weights_only=True)["dflash2"]["drafter_config"]["block_size"] == 8
 
 
 def test_measured_tau_is_logged_at_each_validation(trained_run):
@@ -124,7 +138,7 @@ def test_measured_tau_is_logged_at_each_validation(trained_run):
 def test_saved_drafter_reloads_with_identical_logits(trained_run):
     tmp, _ = trained_run
     loaded = load_drafter(tmp / "run" / "drafter")
-    ckpt = torch.load(tmp / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    ckpt = torch.load(tmp / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     fresh = DFlashDrafter(DrafterConfig.from_dict(ckpt["dflash2"]["drafter_config"]))
     fresh.load_state_dict({k.removeprefix("drafter."): v for k, v in ckpt["state_dict"].items()})
     assert loaded.config.use_local_conv and loaded.config.use_selector
@@ -138,6 +152,21 @@ def test_saved_drafter_reloads_with_identical_logits(trained_run):
         a = loaded.training_forward(taps, ids, embed, anchors, valid)
         b = fresh.training_forward(taps, ids, embed, anchors, valid)
     assert torch.equal(a, b)
+
+
+def test_drafter_and_checkpoints_record_the_data_split(trained_run):
+    """Evaluation reads this record to draw held-out prompts from the run's own split (issue 11)."""
+    tmp, _ = trained_run
+    record = load_drafter(tmp / "run" / "drafter").config.training_data
+    assert record["sources"] == [{"kind": "stdlib"}] and record["seed"] == 0
+    assert (record["validation_fraction"], record["heldout_fraction"], record["near_duplicate_threshold"]) == (
+        0.02,
+        0.02,
+        0.5,
+    )
+    assert record["split_rule"].startswith("near-duplicate clusters")
+    ckpt = torch.load(tmp / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert ckpt["dflash2"]["drafter_config"]["training_data"] == record
 
 
 @pytest.mark.parametrize("resume_step", [2, 4])
@@ -258,7 +287,7 @@ def test_nan_loss_stops_with_a_message_and_keeps_the_last_good_checkpoint(tmp_pa
     with pytest.raises(DFlash2Error, match=r"step 4.*last good checkpoint"):
         run_from_config(compose_run(tmp_path, micro_train_overrides))
     kept = tmp_path / "run" / "checkpoints" / "step000003.ckpt"
-    state = torch.load(kept, map_location="cpu", weights_only=False)
+    state = torch.load(kept, map_location="cpu", weights_only=True)
     assert state["global_step"] == 3
     assert all(torch.isfinite(v).all() for v in state["state_dict"].values())
     assert not (tmp_path / "run" / "drafter").exists()
@@ -285,6 +314,18 @@ def test_init_from_a_drafter_of_another_target_is_refused(
     with pytest.raises(DFlash2Error, match=needle):
         run_from_config(compose_run(tmp_path, [*micro_train_overrides, f"drafter.init_from={foreign}"]))
     assert not (tmp_path / "run" / "drafter").exists()
+
+
+def test_a_damaged_init_from_folder_is_refused_before_the_target_is_used(trained_run, micro_train_overrides, tmp_path):
+    import shutil
+
+    tmp, _ = trained_run
+    damaged = shutil.copytree(tmp / "run" / "drafter", tmp_path / "damaged")
+    (damaged / "model.safetensors").write_bytes((damaged / "model.safetensors").read_bytes()[:8])
+    with pytest.raises(DFlash2Error, match=r"damaged/model\.safetensors is corrupted or truncated") as err:
+        run_from_config(compose_run(tmp_path, [*micro_train_overrides, f"drafter.init_from={damaged}"]))
+    assert "\n" not in str(err.value)
+    assert not any((tmp_path / "run" / name).exists() for name in ("target", "drafter", "checkpoints"))
 
 
 def _truncated_copy(src: Path, dest: Path) -> Path:
@@ -326,6 +367,32 @@ def test_a_broken_or_foreign_ckpt_path_is_refused_before_any_work(
         run_from_config(compose_run(tmp_path, [*micro_train_overrides, f"ckpt_path={ckpt}"]))
     assert "\n" not in str(err.value) and str(ckpt) in str(err.value)
     assert not (tmp_path / "run" / "drafter").exists() and not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_train_py_refuses_a_crafted_ckpt_path_without_running_it(trained_run, micro_train_overrides, tmp_path):
+    """`python train.py ... ckpt_path=FILE` with a pickle that runs code (issue 12): one line, exit 2, the code
+    never runs, and the file is refused before the target is copied into the run."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, crafted_checkpoint, subprocess_env
+
+    tmp, _ = trained_run
+    marker = tmp_path / "pwned"
+    base = torch.load(tmp / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    crafted = crafted_checkpoint(tmp_path / "shared.ckpt", marker, base, how="shell")
+    run = tmp_path / "run"
+    args = [*micro_train_overrides, f"paths.output_dir={run}", f"ckpt_path={crafted}", f"hydra.run.dir={run}"]
+    out = subprocess.run(
+        [sys.executable, "train.py", *args], cwd=REPO, env=subprocess_env(), capture_output=True, text=True
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: ckpt_path refused: {crafted} was not loaded: ")
+    assert "posix.system" in lines[0] and "could run code" in lines[0]
+    assert not marker.exists()
+    left = {p.name for p in run.iterdir()}
+    assert not left & {"target", "checkpoints", "drafter", "run_summary.json", "train_summary.json"}, left
 
 
 def test_resuming_with_another_drafter_config_names_the_field(trained_run, micro_train_overrides, tmp_path):
@@ -387,7 +454,7 @@ def test_trained_run_exports_and_reloads_with_identical_drafts_and_tau(trained_r
         run / "checkpoints" / "last.ckpt", tmp_path / "export", dtype=torch.float32, target=str(micro_target_dir)
     )
     exported = load_drafter(out)
-    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     original = DFlashDrafter(DrafterConfig.from_dict(ckpt["dflash2"]["drafter_config"]))
     original.load_state_dict({k.removeprefix("drafter."): v for k, v in ckpt["state_dict"].items()})
     target = TargetModel.from_pretrained(str(micro_target_dir), target_layer_ids=[0, 1, 2])

@@ -23,6 +23,7 @@ training checkpoints.
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 from dataclasses import dataclass
@@ -31,6 +32,9 @@ from pathlib import Path
 import torch
 
 from dflash2.atomic_files import atomic_torch_save
+from dflash2.safe_load import load_torch_file
+
+log = logging.getLogger(__name__)
 
 SHARD_NAME = re.compile(r"batch-(\d{6})\.pt")
 
@@ -100,7 +104,7 @@ class ShardStore:
     def _read(self, index: int, prompt: torch.Tensor, response_tokens: int) -> Shard | None:
         path = self.path(index)
         try:
-            d = torch.load(path, map_location="cpu", weights_only=True)
+            d = load_torch_file(path)
             shard = Shard(int(d["index"]), d["prompt"], d["response"], d["generator_state"])
             valid = (
                 shard.index == index
@@ -110,17 +114,10 @@ class ShardStore:
                 and shard.generator_state.dtype == torch.uint8
             )
         except Exception as e:  # a truncated or foreign file: any error means "regenerate this batch"
-            print(
-                f"[dflash2] discarding unreadable regeneration shard {path} ({type(e).__name__}); it is regenerated",
-                flush=True,
-            )
+            log.warning(f"discarding unreadable regeneration shard {path} ({type(e).__name__}); it is regenerated")
             return None
         if not valid:
-            print(
-                f"[dflash2] discarding regeneration shard {path}: made for other prompts or settings; "
-                "it is regenerated",
-                flush=True,
-            )
+            log.warning(f"discarding regeneration shard {path}: made for other prompts or settings; it is regenerated")
             return None
         return shard
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from dflash2.drafter.config import DrafterConfig
+from dflash2.drafter.folder_check import check_drafter_folder
 from dflash2.errors import DFlash2Error
+from dflash2.safe_load import UnsafeFileError, load_torch_file
 
 
 def check_blocks_fit_the_data(config: DrafterConfig, num_anchors: int, data: dict) -> None:
@@ -53,14 +53,45 @@ def check_sequences_fit_the_context(data: dict, max_positions: int | None) -> No
         )
 
 
-def check_resume_checkpoint(path: str, config: DrafterConfig) -> None:
-    """``ckpt_path`` must be an intact drafter checkpoint of this run's architecture.
+def resolve_ckpt_path(ckpt_path, output_dir: Path) -> str | None:
+    """``ckpt_path`` as a file path (``last`` = the run's ``checkpoints/last.ckpt``), None when not resuming."""
+    if not ckpt_path:
+        return None
+    path = output_dir / "checkpoints" / "last.ckpt" if str(ckpt_path) == "last" else Path(str(ckpt_path))
+    if not path.is_file():
+        raise DFlash2Error(
+            f"ckpt_path={ckpt_path}: no checkpoint file at {path}; "
+            "pass a .ckpt file or 'last' with the run's paths.output_dir"
+        )
+    return str(path)
+
+
+def check_drafter_files(cfg, output_dir: Path) -> None:
+    """The drafter files a drafter run reads (``drafter.init_from``, ``ckpt_path``), checked on their own.
+
+    Called before a target is built or copied into the run, so a damaged, foreign or
+    crafted file costs seconds and leaves no ``target/``, ``drafter/`` or ``checkpoints/``.
+    Whether they fit the target and the drafter settings is checked later (train_drafter).
+    """
+    init_from = (cfg.get("drafter") or {}).get("init_from")
+    if init_from:
+        check_drafter_folder(init_from)
+    resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
+    if resume_from is not None:
+        read_resume_checkpoint(resume_from)
+
+
+def read_resume_checkpoint(path: str) -> dict:
+    """The intact drafter checkpoint at ``path`` (with its ``dflash2`` metadata), else a one-line error.
 
     Lightning would otherwise fail deep inside ``fit`` with a zip or
-    state-dict traceback. Loaded memory-mapped: the tensors are not read.
+    state-dict traceback. Loaded memory-mapped (the tensors are not read) and
+    weights-only: a crafted file is refused here, before anything of it runs.
     """
-    try:  # our training checkpoints hold non-tensor objects: only resume from files you trust
-        ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    try:
+        ckpt = load_torch_file(path, mmap=True)
+    except UnsafeFileError as e:
+        raise DFlash2Error(f"ckpt_path refused: {e}") from None
     except Exception as e:
         raise DFlash2Error(
             f"ckpt_path={path} is truncated or not a checkpoint ({type(e).__name__}); pass an intact .ckpt "
@@ -72,12 +103,20 @@ def check_resume_checkpoint(path: str, config: DrafterConfig) -> None:
             f"ckpt_path={path} is not a dflash2 drafter training checkpoint; "
             "pass a .ckpt written by train.py task=drafter"
         )
-    differ = drafter_config_differences(dict(meta["drafter_config"]), config.to_dict())
+    return ckpt
+
+
+def check_resume_checkpoint(path: str, config: DrafterConfig) -> int:
+    """``ckpt_path`` must be an intact drafter checkpoint of this run's architecture; returns its
+    global step (where the resumed run's logs continue)."""
+    ckpt = read_resume_checkpoint(path)
+    differ = drafter_config_differences(dict(ckpt["dflash2"]["drafter_config"]), config.to_dict())
     if differ:
         raise DFlash2Error(
             f"ckpt_path={path} was trained with another drafter config ({', '.join(differ[:4])}); "
             "resume with the run's original target and drafter settings, or start a new run"
         )
+    return int(ckpt.get("global_step", 0))
 
 
 def drafter_config_differences(saved: dict, now: dict) -> list[str]:

@@ -8,6 +8,7 @@ derived from them are reported beside it, labelled as an estimate.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -16,7 +17,8 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from dflash2.data.regenerate import regenerate_split
+from dflash2.data.regenerate import chat_template_of, regenerate_split
+from dflash2.data.split_record import training_data_record
 from dflash2.drafter.from_target import check_drafter_matches_target, drafter_config_for_target
 from dflash2.drafter.io import load_drafter, save_drafter
 from dflash2.drafter.model import DFlashDrafter
@@ -32,8 +34,11 @@ from dflash2.training.preflight import (
     check_blocks_fit_the_data,
     check_resume_checkpoint,
     check_sequences_fit_the_context,
+    resolve_ckpt_path,
 )
 from dflash2.training.run import instantiate_callbacks, instantiate_loggers, regeneration_device
+
+log = logging.getLogger(__name__)
 
 # Memory savers that are not a smaller size: half precision, and the same batch in smaller pieces.
 # What makes the final held-out decoding smaller (prompts run one at a time: their number does not matter).
@@ -62,39 +67,41 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     settings = plain(cfg.drafter)
     config = drafter_config_for_target(settings, target)
     if settings.get("init_from"):
-        drafter = load_drafter(settings["init_from"])
+        # fp32 master weights whatever the folder stores (published drafters are bf16)
+        drafter = load_drafter(settings["init_from"], dtype=torch.float32).train()
         check_drafter_matches_target(drafter.config, target)
     else:
-        torch.manual_seed(seed)
-        drafter = DFlashDrafter(config)
+        drafter = fresh_drafter(config, settings, seed)
+    # Saved with the drafter (and its checkpoints): evaluation draws held-out prompts from this split.
+    if data.get("chat") and target.tokenizer is None:
+        raise DFlash2Error(f"data=chat needs the target's tokenizer (its chat template); {target_dir} has none")
+    chat_template = chat_template_of(data, target.tokenizer) if data.get("chat") else None
+    drafter.config.training_data = training_data_record(data, seed, chat_template)
     check_blocks_fit_the_data(drafter.config, int(settings["num_anchors"]), data)
     check_sequences_fit_the_context(data, config.max_position_embeddings)
     resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
-    if resume_from is not None:
-        check_resume_checkpoint(resume_from, drafter.config)
+    resume_step = check_resume_checkpoint(resume_from, drafter.config) if resume_from is not None else None
 
     cache_dir = Path(cfg.paths.cache_dir)
     device = regeneration_device(cfg)
     common = dict(seed=seed, cache_dir=cache_dir, target_id=str(target_dir), device=device)
     with explain_oom("regeneration of training data by the target", knob_hints(cfg, REGENERATION_KNOBS)):
         train_ds = trainable_rows(
-            regenerate_split(target, data, split="train", num_prompts=int(data["num_train_prompts"]), **common), "train"
+            regenerate_split(target, data, split="train", num_prompts=_count(data["num_train_prompts"]), **common),
+            "train",
         )
         val_ds = trainable_rows(
-            regenerate_split(target, data, split="validation", num_prompts=int(data["num_val_prompts"]), **common),
+            regenerate_split(target, data, split="validation", num_prompts=_count(data["num_val_prompts"]), **common),
             "validation",
         )
     target.model.cpu()
-    print(
-        f"[dflash2] data: {len(train_ds)} train / {len(val_ds)} validation regenerated sequences "
-        f"(cache {cache_dir / 'data'})",
-        flush=True,
+    log.info(
+        f"data: {len(train_ds)} train / {len(val_ds)} validation regenerated sequences (cache {cache_dir / 'data'})"
     )
     n_params = sum(p.numel() for p in drafter.parameters())
-    print(
-        f"[dflash2] drafter: {settings['version']} "
-        f"({n_params / 1e6:.2f} M params, block {config.block_size}, taps {config.target_layer_ids})",
-        flush=True,
+    log.info(
+        f"drafter: {settings['version']} "
+        f"({n_params / 1e6:.2f} M params, block {drafter.config.block_size}, taps {drafter.config.target_layer_ids})"
     )
 
     total_steps = int(cfg.trainer.max_steps)
@@ -112,6 +119,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
         total_steps=total_steps,
         seed=seed,
         target_id=str(target_dir),
+        selector_gold_injection=bool(settings.get("selector_gold_injection", False)),
     )
     pad_id = (
         target.tokenizer.pad_token_id
@@ -127,20 +135,22 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
         pad_id=pad_id,
         num_workers=int(data["num_workers"]),
     )
-    loggers = instantiate_loggers(cfg)
+    loggers = instantiate_loggers(cfg, resume_step)
     trainer: L.Trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=instantiate_callbacks(cfg))
     with explain_oom("drafter training", knob_hints(cfg, TRAINING_KNOBS), extra=OOM_TRAINING_ADVICE):
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
 
     drafter_dir = output_dir / "drafter"
     save_drafter(drafter.float().cpu(), drafter_dir)
-    print(f"[dflash2] drafter saved to {drafter_dir}", flush=True)
+    log.info(f"drafter saved to {drafter_dir}")
 
     with explain_oom(
         "the held-out report",
         knob_hints(cfg, ("data.generation_batch_size", "data.batch_size", "data.num_val_prompts")),
     ):
-        heldout_ds = regenerate_split(target, data, split="heldout", num_prompts=int(data["num_val_prompts"]), **common)
+        heldout_ds = regenerate_split(
+            target, data, split="heldout", num_prompts=_count(data["num_val_prompts"]), **common
+        )
         report = heldout_report(
             module.to(device), heldout_ds, train_ds, pad_id=pad_id, batch_size=int(data["batch_size"]), seed=seed
         )
@@ -150,7 +160,6 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
         measured = measure_heldout_tau(
             module.target,
             module.drafter,
-            sources=data["sources"],
             num_prompts=None if measure.num_prompts is None else int(measure.num_prompts),
             prompt_tokens=int(measure.prompt_tokens),
             max_new_tokens=int(measure.max_new_tokens),
@@ -163,9 +172,25 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     summary["steps"] = int(trainer.global_step)
     summary["drafter_dir"] = str(drafter_dir)
     (output_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))
-    print(format_measured_tau(measured, seconds), flush=True)
-    print(format_heldout_report(summary), flush=True)
+    log.info(measured_tau_line(measured, seconds))
+    for line in heldout_report_lines(summary):
+        log.info(line)
     return summary
+
+
+def fresh_drafter(config, settings: dict, seed: int) -> DFlashDrafter:
+    """A new drafter initialised from the run's seed, with ``drafter.selector_zero_successor_init``
+    applied (ARCHITECTURE.md §3.2); a drafter loaded with init_from keeps the codebook it was trained to."""
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(config)
+    if settings.get("selector_zero_successor_init") and drafter.candidate_selector is not None:
+        drafter.candidate_selector.zero_successor_()
+    return drafter
+
+
+def _count(value) -> int | None:
+    """A data.num_*_prompts value: an int, or None (chat data: every turn of the split)."""
+    return None if value is None else int(value)
 
 
 def trainable_rows(dataset, split: str):
@@ -183,18 +208,6 @@ def trainable_rows(dataset, split: str):
             "raise data.response_tokens or check that the target does not stop at once"
         )
     return kept
-
-
-def resolve_ckpt_path(ckpt_path, output_dir: Path):
-    if not ckpt_path:
-        return None
-    path = output_dir / "checkpoints" / "last.ckpt" if str(ckpt_path) == "last" else Path(str(ckpt_path))
-    if not path.is_file():
-        raise DFlash2Error(
-            f"ckpt_path={ckpt_path}: no checkpoint file at {path}; "
-            "pass a .ckpt file or 'last' with the run's paths.output_dir"
-        )
-    return str(path)
 
 
 @torch.no_grad()
@@ -241,35 +254,26 @@ def heldout_report(
     return report
 
 
-def format_measured_tau(m: dict, seconds: float) -> str:
-    """The run's result line: measured τ, on how many prompts, and whether the output was lossless."""
+def measured_tau_line(m: dict, seconds: float) -> str:
+    """The run's result line: measured τ, on how many prompts (and why fewer than asked), lossless or not."""
     lossless = "yes" if m["lossless"] else f"NO, first mismatch {m['first_mismatch']}"
-    notes, found = [], m["num_prompts"] + m["skipped_prompts"]
-    if m["num_prompts_asked"] is not None and found < m["num_prompts_asked"]:
-        notes.append(
-            f"only {found} of the {m['num_prompts_asked']} asked: held-out documents of >= {m['prompt_tokens']} tokens"
-        )
-    if m["skipped_prompts"]:
-        notes.append(f"{m['skipped_prompts']} skipped: too long for the context")
-    note = f" ({'; '.join(notes)})" if notes else ""
+    fewer = f" ({'; '.join(m['fewer_prompts'])})" if m["fewer_prompts"] else ""
     return (
-        f"[dflash2] RESULT: measured tau = {m['tau']:.3f} tokens per verify step, lossless speculative decoding "
-        f"(T=0) of {m['num_prompts']} held-out prompts{note} x {m['max_new_tokens']} new tokens; "
+        f"RESULT: measured tau = {m['tau']:.3f} tokens per verify step, lossless speculative decoding (T=0) of "
+        f"{m['num_prompts']} held-out prompts{fewer} x {m['max_new_tokens']} new tokens; "
         f"output == greedy: {lossless} ({seconds:.1f} s; {m['results_dir']})"
     )
 
 
-def format_heldout_report(r: dict) -> str:
-    """The per-position accuracy report and the τ *estimate* from it (printed after the measured τ)."""
+def heldout_report_lines(r: dict) -> list[str]:
+    """The τ *estimate* from held-out per-position accuracy, labelled as one, and that accuracy
+    (logged after the measured τ)."""
     acc = " ".join(f"{a:.2f}" for a in r["heldout_acc_per_position"])
     base = " ".join(f"{a:.2f}" for a in r["baseline_acc_per_position"])
     selector = r.get("heldout_selector_tau_estimate")
-    return "\n".join(
-        [
-            f"[dflash2]   estimate, not a decode: tau ~ {r['heldout_tau_estimate']:.3f} from held-out per-position "
-            f"accuracy{'' if selector is None else f' (selector path {selector:.3f})'}, "
-            f"baseline {r['baseline_tau_estimate']:.3f}",
-            f"[dflash2]   held-out per-position top-1 accuracy ({r['heldout_blocks']} blocks): {acc}",
-            f"[dflash2]     baseline (always token {r['baseline_most_frequent_token']}):            {base}",
-        ]
-    )
+    return [
+        f"  estimate, not a decode: tau ~ {r['heldout_tau_estimate']:.3f} from held-out per-position accuracy"
+        f"{'' if selector is None else f' (selector path {selector:.3f})'}, baseline {r['baseline_tau_estimate']:.3f}",
+        f"  held-out per-position top-1 accuracy ({r['heldout_blocks']} blocks): {acc}",
+        f"    baseline (always token {r['baseline_most_frequent_token']}):            {base}",
+    ]
