@@ -4,6 +4,7 @@ import itertools
 
 import pytest
 import torch
+from conftest import chi2_pvalue
 
 from dflash2.drafter import CandidateSelector
 from dflash2.drafter.selector import scale_logits
@@ -116,6 +117,49 @@ def test_sample_path_q_is_the_sampling_distribution():
             -1
         )
         torch.testing.assert_close(q_n[i, 1, cand[0, 1]], torch.softmax(s / 0.8, -1))
+
+
+def _path_law(sel, hidden, logits, anchor, temperature, follow_the_path: bool = True):
+    """All k^P candidate paths of row 0 and their probabilities from the score formula (``edge``):
+    Π_l softmax_c(score(l, pred_l -> c) / T)[path_l], pred_l = the path's token at l-1 (the anchor at 0).
+    follow_the_path=False keeps the anchor as every predecessor: a wrong law, for the control."""
+    cand, _ = sel.candidates(logits)
+    _, P, k = cand.shape
+    paths, probs = [], []
+    for combo in itertools.product(range(k), repeat=P):
+        path = [int(cand[0, pos, c]) for pos, c in enumerate(combo)]
+        prob, pred = torch.tensor(1.0), anchor[0]
+        for pos in range(P):
+            scores = torch.stack([edge(sel, hidden, logits, 0, pos, pred, c) for c in cand[0, pos]])
+            prob = prob * torch.softmax(scores / temperature, -1)[combo[pos]]
+            pred = path[pos] if follow_the_path else anchor[0]
+        paths.append(tuple(path))
+        probs.append(prob)
+    return paths, torch.stack(probs)
+
+
+@torch.no_grad()
+def test_sample_path_q_is_the_exact_probability_of_the_drawn_path():
+    """Rejection sampling is lossless only if q is the exact law of the drafts: check the whole path, not
+    only position 1. By enumeration (3 positions x 3 candidates = 27 paths): the product of the returned
+    q's along each drawn path equals that path's probability, and the drawn paths follow those
+    probabilities (chi-square, which rejects the law that ignores the sampled predecessors)."""
+    sel = make(k=3, scale=0.5)
+    hidden, logits, anchor = toy(N=1, P=3)
+    temperature, n = 0.8, 20_000
+    paths, probs = _path_law(sel, hidden, logits, anchor, temperature)
+    torch.testing.assert_close(probs.sum(), torch.tensor(1.0))
+
+    rep = lambda t: t.expand(n, *t.shape[1:])
+    toks, q = sel.sample_path(rep(hidden), rep(logits), rep(anchor), temperature, torch.Generator().manual_seed(0))
+    drawn = torch.tensor([paths.index(tuple(t)) for t in toks.tolist()])  # (n,) path index of each draw
+    q_of_path = q.gather(-1, toks[..., None])[..., 0].prod(-1)  # (n,) Π_l q_l(drawn token l)
+    torch.testing.assert_close(q_of_path, probs[drawn])
+    assert chi2_pvalue(drawn, probs) > 1e-3
+
+    _, wrong = _path_law(sel, hidden, logits, anchor, temperature, follow_the_path=False)
+    assert (wrong - probs).abs().max() > 0.01  # the control law really differs
+    assert chi2_pvalue(drawn, wrong / wrong.sum()) < 1e-6
 
 
 def test_loss_finite_and_decreases():
@@ -253,7 +297,7 @@ def test_fresh_dflash2_with_zero_successor_init_drafts_exactly_what_argmax_draft
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     a = speculative_generate(target, zeroed, prompts, max_new_tokens=24)
     b = speculative_generate(target, argmax, prompts, max_new_tokens=24)
-    assert a.sequences == b.sequences and a.accepted == b.accepted
+    assert a.sequences == b.sequences and a.accepted_drafts == b.accepted_drafts
     # and every block's drafts, not only the accepted prefix: the selector path is the argmax
     hidden = torch.randn(3, config.block_size, config.hidden_size)
     anchor = torch.tensor([1, 2, 3])

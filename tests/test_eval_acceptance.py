@@ -9,13 +9,16 @@ from itertools import pairwise
 
 import pytest
 import torch
+from conftest import nontrivial_dflash2
 
 from dflash2.corpus import document_splits, load_documents
 from dflash2.drafter import DFlashDrafter, save_drafter
 from dflash2.errors import DFlash2Error
 from dflash2.eval import acceptance as acceptance_mod
 from dflash2.eval import acceptance_cli, evaluate_acceptance, load_prompts
-from dflash2.eval.acceptance import FILES
+from dflash2.eval.acceptance import FILES, acceptance_stats
+from dflash2.eval.heldout_tau import measure_heldout_tau
+from dflash2.eval.prompts import prompt_set
 from dflash2.target import TargetModel
 from dflash2.tokenizer import train_bpe_tokenizer
 
@@ -32,7 +35,7 @@ def saved(tmp_path_factory, make_spec_target, make_spec_drafter):
     target.model.save_pretrained(root / "target")
     tokenizer.save_pretrained(root / "target")
     target.tokenizer = tokenizer
-    drafter = make_spec_drafter(target, 4, v2=True)
+    drafter = nontrivial_dflash2(make_spec_drafter(target, 4, v2=True))
     save_drafter(drafter, root / "drafter")
     prompts = root / "prompts.jsonl"
     prompts.write_text('{"prompt": "def add(a, b):"}\n\n{"prompt": "import os\\nimport sys"}\n')
@@ -57,11 +60,14 @@ def test_writes_all_files_and_is_lossless(saved, tmp_path, caplog):
     assert res["num_prompts"] == 2 and res["skipped_prompts"] == 1 and res["skipped"][0]["index"] == 1
     assert "skipping prompt 1" in caplog.text
     # τ statistics are consistent with each other
-    hist, rates = res["accepted_length_histogram"], res["per_position_acceptance"]
+    hist, rates = res["accepted_drafts_histogram"], res["per_position_acceptance"]
     assert len(hist) == 4 and len(rates) == 3 and sum(hist) == res["steps"] > 0
     assert all(r1 >= r2 for r1, r2 in pairwise(rates))  # position k needs 1..k-1 accepted
-    assert res["mean_tau"] == pytest.approx(1 + sum(rates))
-    assert res["mean_tau"] == pytest.approx(sum((k + 1) * c for k, c in enumerate(hist)) / res["steps"])
+    assert res["mean_accepted_drafts"] == pytest.approx(sum(rates))
+    assert res["mean_accepted_drafts"] == pytest.approx(sum(k * c for k, c in enumerate(hist)) / res["steps"])
+    # τ: tokens the verify steps emitted (all but each prompt's prefill token) per step
+    assert res["mean_tau"] == pytest.approx((res["tokens"] - res["num_prompts"]) / res["steps"])
+    assert res["mean_tau"] <= 1 + res["mean_accepted_drafts"]
     on_disk = json.loads((tmp_path / "results.json").read_text())
     assert on_disk["lossless"] is True and on_disk["settings"]["block_size"] == 4
     assert on_disk["settings"]["temperature"] == 0.0 and on_disk["settings"]["check_lossless"] is True
@@ -69,9 +75,37 @@ def test_writes_all_files_and_is_lossless(saved, tmp_path, caplog):
     assert [r["index"] for r in rows] == [0, 2] and rows[0]["prompt"] == "def add(a, b):"
     assert all(len(r["generated_ids"]) <= 16 and r["lossless"] for r in rows)
     assert rows[1]["generated_text"] == target.tokenizer.decode(rows[1]["generated_ids"])
-    assert sum(len(r["accepted_lengths"]) for r in rows) == res["steps"]
+    assert sum(len(r["accepted_drafts"]) for r in rows) == sum(len(r["emitted"]) for r in rows) == res["steps"]
+    assert all(len(r["generated_ids"]) == 1 + sum(r["emitted"]) for r in rows)
     assert "mean τ" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "tau_histogram.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_acceptance_stats_count_emitted_tokens_and_raw_accepted_drafts():
+    """Two prompts, B=4: the second's last step accepted 3 drafts but was cut to 2 tokens (EOS / length)."""
+    stats = acceptance_stats([[3, 0], [1, 3]], [[4, 1], [2, 2]], 4)
+    assert stats["steps"] == 4 and stats["truncated_steps"] == 1
+    assert stats["mean_tau"] == (4 + 1 + 2 + 2) / 4  # emitted tokens, not accepted + 1 (= 11 / 4)
+    assert stats["mean_accepted_drafts"] == 7 / 4 == sum(stats["per_position_acceptance"])
+    assert stats["per_position_acceptance"] == [3 / 4, 2 / 4, 2 / 4]  # raw counts: the cut step still counts
+    assert stats["accepted_drafts_histogram"] == [1, 1, 0, 2]
+
+
+def test_measured_heldout_tau_decodes_the_prompts_api_sample_losslessly(saved, tmp_path, caplog):
+    """What train.py reports as its result: lossless T=0 decoding of the prompts API's seeded held-out sample."""
+    target, drafter = saved["target"], saved["drafter"]
+    with caplog.at_level(logging.WARNING):
+        m = measure_heldout_tau(
+            target, drafter, num_prompts=2, prompt_tokens=12, max_new_tokens=6, seed=3, output_dir=tmp_path
+        )
+    assert next(iter(m)) == "tau" and m["lossless"] is True and m["num_prompts"] == 2 and m["fewer_prompts"] == []
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert m["tau"] == results["mean_tau"] and m["steps"] == results["steps"] > 0
+    assert results["settings"]["temperature"] == 0.0 and results["settings"]["check_lossless"] is True
+    # this drafter records no training split: the default data config's held-out split, said in the log
+    expected = prompt_set("heldout", target.tokenizer, num_prompts=2, prompt_tokens=12, seed=3)
+    assert results["prompt_set"]["prompts"] == expected.info["prompts"] and len(expected.prompts) == 2
+    assert results["prompt_set"]["data_split_recorded"] is False and "does not record the data" in caplog.text
 
 
 def test_mismatch_is_reported_with_the_logit_margin(saved, monkeypatch):

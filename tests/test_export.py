@@ -91,7 +91,12 @@ def test_round_trip_identical_drafts(tmp_path, micro_target_dir, micro_target, v
     assert loaded.config == drafter.config
     a = speculative_generate(micro_target, drafter, PROMPTS, max_new_tokens=12)
     b = speculative_generate(micro_target, loaded, PROMPTS, max_new_tokens=12)
-    assert a.sequences == b.sequences and a.accepted == b.accepted and a.mean_tau == b.mean_tau
+    assert (
+        a.sequences == b.sequences
+        and a.accepted_drafts == b.accepted_drafts
+        and a.emitted == b.emitted
+        and a.mean_tau == b.mean_tau
+    )
     assert all(len(s) == 12 for s in a.sequences)
 
     # re-exporting the exported folder (auto format, bf16 default, recorded target) works too
@@ -286,7 +291,7 @@ def test_one_addition_off_is_filled_exactly(tmp_path, micro_target_dir, micro_ta
     loaded = load_drafter(out)
     a = speculative_generate(micro_target, drafter, PROMPTS, max_new_tokens=16)
     b = speculative_generate(micro_target, loaded, PROMPTS, max_new_tokens=16)
-    assert a.sequences == b.sequences and a.accepted == b.accepted
+    assert a.sequences == b.sequences and a.accepted_drafts == b.accepted_drafts
     # ... and through the independent vLLM-style step, block by block
     ref = VllmStyleDFlash2(out, micro_target.embed_tokens.weight, micro_target.lm_head.weight, num_speculative_tokens=3)
     with torch.no_grad():
@@ -308,7 +313,7 @@ def test_one_addition_off_is_filled_exactly(tmp_path, micro_target_dir, micro_ta
             )
             for d in (drafter, loaded)
         ]
-        assert runs[0].sequences == runs[1].sequences and runs[0].accepted == runs[1].accepted
+        assert runs[0].sequences == runs[1].sequences and runs[0].accepted_drafts == runs[1].accepted_drafts
     else:
         h = torch.randn(2, 4, 32)
         _, q = loaded.drafted_tokens(h, micro_target.lm_head, torch.tensor([5, 6]), temperature=0.8)

@@ -3,13 +3,13 @@
 Chi-square goodness of fit with fixed seeds on a tiny vocabulary: the tokens that
 rejection sampling emits must follow the target's distribution p whatever the
 proposal q is, and the same statistic must reject deliberately wrong acceptance
-rules (so a pass means something). The p-value is computed here (the chi-square
-survival function is the regularised upper incomplete gamma Q(df/2, stat/2)), so
-scipy is not needed.
+rules (so a pass means something). ``chi2_pvalue`` (tests/conftest.py) computes
+the p-value without scipy.
 """
 
 import pytest
 import torch
+from conftest import chi2_pvalue, nontrivial_dflash2
 
 from dflash2.decoding import (
     SamplingParams,
@@ -19,26 +19,11 @@ from dflash2.decoding import (
     speculative_generate,
     warp_probs,
 )
+from dflash2.drafter import CandidateSelector
 from dflash2.errors import DFlash2Error
 
 V, P, M = 8, 3, 40_000  # vocab, drafted positions, samples of the direct test
 PASS, FAIL = 1e-3, 1e-6  # p-value above PASS: consistent with p; below FAIL: rejected
-
-
-def chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
-    """Goodness of fit of integer samples to probs (V,); bins with expected < min_expected are pooled."""
-    counts = torch.bincount(samples.flatten(), minlength=probs.numel()).double()
-    expected = probs.double() * counts.sum()
-    big = expected >= min_expected
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    if exp[-1] == 0:  # no pooled bin: anything observed there was impossible under probs
-        if obs[-1] > 0:
-            return 0.0
-        obs, exp = obs[:-1], exp[:-1]
-    stat = ((obs - exp) ** 2 / exp).sum()
-    df = obs.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
 
 
 @pytest.fixture(scope="module")
@@ -147,33 +132,49 @@ def test_the_statistic_rejects_wrong_acceptance_rules(dists, wrong_rule):
 
 
 # ------------------------------------------------------------------ end to end
-def test_speculative_sampling_follows_the_target_end_to_end(make_spec_target, make_spec_drafter):
-    """Tokens 1 and 2 of real speculative decoding (tiny vocab target + random drafter, T=0.8, top-k 6).
+@pytest.mark.parametrize("v2", [False, True], ids=["dflash", "dflash2"])
+def test_speculative_sampling_follows_the_target_end_to_end(make_spec_target, make_spec_drafter, v2, monkeypatch):
+    """Tokens 1 to 3 of real speculative decoding (tiny vocab target, T=0.8, top-k 6) with a random DFlash
+    drafter (q = its warped softmax) or DFlash2 drafter (non-trivial conv + selector: drafts and q from the
+    selector's sampled path over its top-4 candidates, each position conditioned on the sampled one before).
 
-    Token 1 comes from the prefill; token 2 from the first verify step (accepted draft, residual or
-    bonus). Exact law: p(x1) and p(x2) = Σ_x1 p(x1) p(x2 | x1), from the target's own (warped) logits.
+    Token 1 comes from the prefill; tokens 2 and 3 from the first verify step (accepted drafts, residual
+    or bonus) or, after a rejection, token 3 from the second. Exact law from the target's own warped
+    logits: p(x1), p(x2 | x1), p(x3 | x1, x2).
     """
     target = make_spec_target("qwen3", vocab_size=V, seed=3)
-    drafter = make_spec_drafter(target, 4, seed=4)
+    drafter = make_spec_drafter(target, 4, v2=v2, seed=4)
+    drafter = nontrivial_dflash2(drafter) if v2 else drafter
     params = SamplingParams(0.8, top_k=6)
     prompt, n = [1, 2, 3, 4], 800  # 800 rows: ~2 target forwards each; the direct test has 40k
     p1 = warp_probs(target(torch.tensor([prompt])).logits[0, -1], params)  # (V,)
-    both = torch.tensor([[*prompt, x] for x in range(V)])
-    p2_given = warp_probs(target(both).logits[:, -1], params)  # (V, V): row x1 -> p(x2 | x1)
-    joint = p1[:, None] * p2_given  # (V, V)
+    p2_given = warp_probs(target(torch.tensor([[*prompt, a] for a in range(V)])).logits[:, -1], params)  # (V, V)
+    pairs = torch.tensor([[*prompt, a, b] for a in range(V) for b in range(V)])
+    p3_given = warp_probs(target(pairs).logits[:, -1], params).view(V, V, V)  # [x1, x2] -> p(x3 | x1, x2)
+    joint12 = p1[:, None] * p2_given  # (V, V)
+    joint123 = joint12[:, :, None] * p3_given  # (V, V, V)
+    sampled_paths = []  # the selector's sampled path must be what drafts (and gives q) at T>0
+    real_sample_path = CandidateSelector.sample_path
+    monkeypatch.setattr(
+        CandidateSelector, "sample_path", lambda *a, **k: sampled_paths.append(1) or real_sample_path(*a, **k)
+    )
 
     res = speculative_generate(
         target,
         drafter,
         [prompt] * n,
-        max_new_tokens=2,
+        max_new_tokens=3,
         temperature=params.temperature,
         top_k=params.top_k,
         generator=torch.Generator().manual_seed(5),
     )
-    out = torch.tensor(res.sequences)  # (n, 2)
-    accepted = torch.tensor([acc[0] for acc in res.accepted])
-    assert (accepted == 0).any() and (accepted > 0).any()  # both the residual and the accepted path ran
+    out = torch.tensor(res.sequences)  # (n, 3)
+    accepted = torch.tensor([acc[0] for acc in res.accepted_drafts])
+    # the residual, one accepted draft and two accepted drafts (the path's second, conditional q) all ran
+    assert (accepted == 0).any() and (accepted == 1).any() and (accepted >= 2).any()
+    assert bool(sampled_paths) == v2
     assert chi2_pvalue(out[:, 0], p1) > PASS
-    assert chi2_pvalue(out[:, 1], joint.sum(0)) > PASS
-    assert chi2_pvalue(out[:, 0] * V + out[:, 1], joint.flatten()) > PASS
+    assert chi2_pvalue(out[:, 1], joint12.sum(0)) > PASS
+    assert chi2_pvalue(out[:, 2], joint123.sum((0, 1))) > PASS
+    assert chi2_pvalue(out[:, 0] * V + out[:, 1], joint12.flatten()) > PASS
+    assert chi2_pvalue(out[:, 1] * V + out[:, 2], joint123.sum(0).flatten()) > PASS

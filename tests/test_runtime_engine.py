@@ -55,10 +55,12 @@ def _expected(full, prompts, n, eos=None):
 
 
 def _check_steps(res, block_size):
-    """Every step emits accepted + 1 tokens except a last one cut by EOS / the budget."""
-    for acc, seq in zip(res.accepted, res.sequences):
+    """Every step emits accepted + 1 tokens except a last one cut by EOS / the budget, and the
+    emitted counts add up to the output (after the prefill's token)."""
+    for acc, emitted, seq in zip(res.accepted_drafts, res.emitted, res.sequences):
         assert all(0 <= a < block_size for a in acc)
-        assert 1 + sum(a + 1 for a in acc[:-1]) < len(seq) <= 1 + sum(a + 1 for a in acc) or not acc
+        assert emitted[:-1] == [a + 1 for a in acc[:-1]]
+        assert not acc or (1 <= emitted[-1] <= acc[-1] + 1 and len(seq) == 1 + sum(emitted))
 
 
 class ScriptedProposer:
@@ -125,7 +127,7 @@ def test_scripted_drafters_ragged_acceptance_in_one_batch(runtimes, kind, block_
     res = generate_spec(model, proposer, PROMPTS, N_NEW)
     assert res.sequences == _expected(full, PROMPTS, N_NEW)
     _check_steps(res, block_size)
-    oracle, partial, wrong, partial2 = res.accepted
+    oracle, partial, wrong, partial2 = res.accepted_drafts
     assert oracle == [block_size - 1] * -(-(N_NEW - 1) // block_size)  # the prefill token + B per step
     assert wrong == [0] * (N_NEW - 1)
     assert {0, block_size - 1} <= set(partial + partial2)
@@ -146,7 +148,7 @@ def test_eos_inside_a_block_stops_that_row_only(runtimes, kind):
     proposer = ScriptedProposer(full, ["oracle", "partial", "oracle", "wrong"], B, model.vocab_size)
     res = generate_spec(model, proposer, PROMPTS, N_NEW, eos_token_id=[eos])
     assert res.sequences == expected
-    assert res.accepted[0][-1] == B - 1 and res.steps[0] == -(-k // B)  # a full block, cut after EOS
+    assert res.accepted_drafts[0][-1] == B - 1 and res.steps[0] == -(-k // B)  # a full block, cut after EOS
     drafter = RuntimeDrafter(nontrivial_dflash2(spec_drafter(target, B, v2=True, seed=5)), model)
     assert generate_spec(model, drafter, PROMPTS, N_NEW, eos_token_id=eos).sequences == expected
 

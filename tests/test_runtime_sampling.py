@@ -161,7 +161,7 @@ def test_speculative_sampling_follows_the_target(tiny_vocab_targets, kind, draft
         generator=torch.Generator().manual_seed(5),
         argmax_drafts=argmax_drafts,
     )
-    first = torch.tensor([acc[0] for acc in res.accepted])
+    first = torch.tensor([acc[0] for acc in res.accepted_drafts])
     assert (first == 0).any() and (first > 0).any()  # the residual and the accepted path both ran
     _check_law(torch.tensor(res.sequences), _exact_laws(target, prompt, params))
 

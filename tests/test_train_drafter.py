@@ -4,6 +4,7 @@ configs, artifacts, save/load, exact resume, and bad input."""
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import pytest
@@ -11,10 +12,14 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
+from dflash2.data.split_record import read_training_data
 from dflash2.drafter import DFlashDrafter, DrafterConfig, load_drafter
 from dflash2.errors import DFlash2Error
+from dflash2.eval.prompts import prompt_set
+from dflash2.target import TargetModel
 from dflash2.training.cli import CONFIG_DIR
 from dflash2.training.run import run_from_config
+from dflash2.training.train_drafter import heldout_report_lines, measured_tau_line
 
 pytestmark = pytest.mark.slow
 
@@ -64,6 +69,52 @@ def test_default_run_writes_every_artifact(trained_run):
     assert (run / "train_summary.json").exists() and (run / "run_summary.json").exists()
     losses = train_losses(run)
     assert sorted(losses) == list(range(6)) and all(torch.isfinite(torch.tensor(v)) for v in losses.values())
+
+
+def test_the_summary_leads_with_tau_measured_by_lossless_decoding_of_heldout_prompts(trained_run):
+    tmp, summary = trained_run
+    run = tmp / "run"
+    on_disk = json.loads((run / "train_summary.json").read_text())
+    assert next(iter(on_disk)) == "heldout_tau_measured" and on_disk == summary["drafter"]
+    measured = on_disk["heldout_tau_measured"]
+    results = json.loads((run / "heldout_eval" / "results.json").read_text())
+    assert measured["tau"] == results["mean_tau"] and 1.0 <= measured["tau"] <= 8.0
+    assert measured["lossless"] is True and results["lossless"] is True
+    assert measured["num_prompts"] == results["num_prompts"] == 2  # heldout_tau.num_prompts of the micro run
+    assert measured["fewer_prompts"] == []
+    assert results["settings"]["temperature"] == 0.0 and results["settings"]["max_new_tokens"] == 16
+    # the prompts: the prompts API's seeded sample of the held-out split the drafter records, at the set length
+    target = TargetModel.from_pretrained(str(run / "target"))
+    expected = prompt_set(
+        "heldout",
+        target.tokenizer,
+        num_prompts=2,
+        prompt_tokens=16,
+        seed=0,
+        training_data=read_training_data(run / "drafter"),
+    )
+    assert results["prompt_set"]["prompts"] == expected.info["prompts"]  # document keys and offsets
+
+    result, estimate = measured_tau_line(measured, 1.5), heldout_report_lines(on_disk)
+    assert result.startswith(f"RESULT: measured tau = {measured['tau']:.3f} tokens per verify step")
+    assert "of 2 held-out prompts x 16 new tokens; output == greedy: yes" in result
+    assert estimate[0].startswith("  estimate, not a decode: tau ~ ")
+
+
+def test_the_result_line_says_when_fewer_prompts_were_decoded_or_output_differed():
+    measured = {
+        "tau": 2.5,
+        "lossless": False,
+        "first_mismatch": {"prompt_index": 0, "token_index": 3},
+        "num_prompts": 2,
+        "fewer_prompts": ["3 of 8 prompts asked: the held-out split has 3 documents"],
+        "max_new_tokens": 32,
+        "results_dir": "RUN/heldout_eval",
+    }
+    line = measured_tau_line(measured, 3.0)
+    assert "of 2 held-out prompts (3 of 8 prompts asked: the held-out split has 3 documents) x 32 new tokens" in line
+    assert "output == greedy: NO, first mismatch {'prompt_index': 0, 'token_index': 3}" in line
+    assert "\n" not in line
 
 
 def test_checkpoints_hold_only_tensors_and_plain_data(trained_run):
@@ -410,7 +461,12 @@ def test_trained_run_exports_and_reloads_with_identical_drafts_and_tau(trained_r
     prompts = [target.tokenizer(t)["input_ids"] for t in ("import os\n", "def main(args):\n    ", "class A:\n")]
     a = speculative_generate(target, original.eval(), prompts, max_new_tokens=24)
     b = speculative_generate(target, exported.eval(), prompts, max_new_tokens=24)
-    assert a.sequences == b.sequences and a.accepted == b.accepted and a.mean_tau == b.mean_tau
+    assert (
+        a.sequences == b.sequences
+        and a.accepted_drafts == b.accepted_drafts
+        and a.emitted == b.emitted
+        and a.mean_tau == b.mean_tau
+    )
     assert (out / "README.md").exists() and "DFlash2DraftModel" in (out / "config.json").read_text()
 
 

@@ -12,8 +12,13 @@ runtime is tested against. One step, per sequence:
    restore + replay GDN states: ``target_state``), append their target taps to
    the drafter's context, and the emitted bonus becomes the next anchor.
 
-τ of a step = accepted + 1 (the bonus). Stops at EOS (kept, nothing after it) or
-``max_new_tokens`` (the last step's tokens are truncated to fit).
+Stops at EOS (kept, nothing after it) or ``max_new_tokens`` (the last step's tokens
+are cut to fit). τ (``SpecResult.mean_tau``) = tokens emitted by verify steps / verify
+steps: a step emits accepted + 1 tokens (the drafts and the target's bonus or
+correction), except a last step cut by EOS / ``max_new_tokens``, which counts only
+what it emitted; the first generated token comes from the prefill, not from a verify
+step, and is not counted. The raw accepted-draft counts are kept beside it for
+per-position acceptance curves.
 
 Batching: the drafter runs batched (its ``ContextCache`` keeps per-row lengths);
 the *target* keeps one HF cache per sequence and verifies row by row, because
@@ -115,24 +120,36 @@ def as_proposer(drafter, target) -> Proposer:
 # ------------------------------------------------------------------ results
 @dataclass
 class SpecResult:
-    """sequences[n]: generated ids of row n (prompt excluded; EOS kept, nothing after it).
-    accepted[n]: accepted drafts per verify step of row n (τ of the step = value + 1; the
-    last step's emitted tokens may have been truncated by EOS / max_new_tokens).
-    steps[n]: verify steps of row n. block_size: B."""
+    """What speculative decoding produced, and its per-step bookkeeping (N rows, S_n verify steps of row n).
+
+    sequences[n]: generated ids of row n (prompt excluded; EOS kept, nothing after it). sequences[n][0]
+      comes from the prefill forward; every later token from a verify step.
+    accepted_drafts[n][s]: drafts the target accepted at step s (0..B-1), counted before any cut at
+      EOS / max_new_tokens: the count of per-position acceptance curves (and of vLLM's per-position
+      counters, which ignore such cuts too).
+    emitted[n][s]: tokens step s appended to sequences[n]: accepted_drafts + 1 (the drafts and the
+      target's bonus or correction), fewer only on the last step when EOS / max_new_tokens cut it.
+      So len(sequences[n]) == 1 + sum(emitted[n]) whenever at least one token was generated.
+    steps[n]: verify steps of row n (S_n). block_size: B.
+    """
 
     sequences: list[list[int]]
-    accepted: list[list[int]]
+    accepted_drafts: list[list[int]]
+    emitted: list[list[int]]
     block_size: int
     steps: list[int] = field(init=False)
 
     def __post_init__(self):
-        self.steps = [len(a) for a in self.accepted]
+        self.steps = [len(a) for a in self.accepted_drafts]
 
     @property
     def mean_tau(self) -> float:
-        """Tokens per verify step including the bonus, over all rows' steps (nan without steps)."""
+        """τ = tokens emitted by verify steps / verify steps, over all rows (nan without steps).
+
+        The prefill's token is not a verify step's and is not counted; a last step cut at EOS /
+        max_new_tokens counts only what it emitted, so τ never credits tokens that were not output."""
         steps = sum(self.steps)
-        return sum(a + 1 for acc in self.accepted for a in acc) / steps if steps else float("nan")
+        return sum(e for per_row in self.emitted for e in per_row) / steps if steps else float("nan")
 
 
 # ------------------------------------------------------------------ helpers
@@ -227,9 +244,10 @@ def speculative_generate(
     proposer = as_proposer(drafter, target)
     B = proposer.block_size
     seqs: list[list[int]] = [[] for _ in range(N)]
-    accepted: list[list[int]] = [[] for _ in range(N)]
+    accepted_drafts: list[list[int]] = [[] for _ in range(N)]
+    emitted: list[list[int]] = [[] for _ in range(N)]
     if max_new_tokens == 0:
-        return SpecResult(seqs, accepted, B)
+        return SpecResult(seqs, accepted_drafts, emitted, B)
 
     # ---- prefill: each row's cache, first token (the first anchor), taps of the prompt positions
     caches, taps, anchor, active = [], [], torch.zeros(N, dtype=torch.long, device=device), [True] * N
@@ -255,9 +273,10 @@ def speculative_generate(
             snap = snapshot(caches[n], target.layer_types)  # GDN clones; just the length for attention
             out = target(block, past_key_values=caches[n], use_cache=True)
             a, nxt = _accept(out.logits[0], drafts[n], None if q is None else q[n], params, generator)
-            accepted[n].append(a)
-            emitted, done = _finish([*drafts[n, :a].tolist(), nxt], max_new_tokens - len(seqs[n]), eos)
-            seqs[n] += emitted
+            tokens, done = _finish([*drafts[n, :a].tolist(), nxt], max_new_tokens - len(seqs[n]), eos)
+            seqs[n] += tokens
+            accepted_drafts[n].append(a)  # before the cut: what the target accepted
+            emitted[n].append(len(tokens))  # after the cut: what the output gained
             if done:  # finished rows are never touched again: skip their rollback
                 active[n] = False
                 continue
@@ -268,7 +287,7 @@ def speculative_generate(
         if any(active):
             proposer.add_context(new_taps, pos[:, None] + torch.arange(B, device=device), n_new)
             pos = pos + n_new
-    return SpecResult(seqs, accepted, B)
+    return SpecResult(seqs, accepted_drafts, emitted, B)
 
 
 def _accept(

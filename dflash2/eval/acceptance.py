@@ -4,12 +4,17 @@ Hydra-free (the CLI is ``dflash2.eval.acceptance_cli``). ``evaluate_acceptance``
 decodes every prompt with the reference speculative decoder, one prompt at a time
 (so τ is each sequence's own), and reports:
 
-* mean τ = tokens emitted per verify step including the bonus (= accepted + 1,
-  averaged over all steps of all prompts);
-* per-position acceptance: rate_k = #steps with accepted >= k / #steps, k = 1..B-1
-  (every step drafts all B-1 positions; position k is accepted iff 1..k all are);
-  note 1 + Σ_k rate_k = mean τ;
-* the histogram of accepted lengths 0..B-1, steps, tokens, wall time, settings;
+* mean τ = tokens emitted by verify steps / verify steps, over all steps of all
+  prompts (``SpecResult.mean_tau``): a step emits its accepted drafts + 1 (the
+  target's bonus or correction); the prefill's first token is not a verify step's
+  and is not counted; a last step cut by EOS / max_new_tokens counts only what it
+  emitted. So mean τ = (generated tokens - prompts) / steps;
+* per-position acceptance from the raw accepted-draft counts (before any cut):
+  rate_k = #steps with accepted_drafts >= k / #steps, k = 1..B-1 (every step drafts
+  all B-1 positions; position k is accepted iff 1..k all are), so
+  Σ_k rate_k = mean_accepted_drafts, and mean τ <= 1 + mean_accepted_drafts, equal
+  unless some last step was cut (``truncated_steps`` counts those);
+* the histogram of accepted drafts 0..B-1, steps, tokens, wall time, settings;
 * with ``check_lossless`` (default at T=0): whether every output equals plain
   greedy decoding of the target, and the first mismatch with the target's logit
   margin between the two tokens there (ARCHITECTURE.md §4: near rounding = numerics, large = bug).
@@ -79,17 +84,21 @@ def default_eos(target) -> list[int] | None:
 
 
 # ------------------------------------------------------------------ statistics
-def acceptance_stats(accepted: list[list[int]], block_size: int) -> dict:
-    """accepted[prompt][step] = accepted drafts of that verify step -> τ, per-position rates, histogram."""
-    flat = [a for per_prompt in accepted for a in per_prompt]
+def acceptance_stats(accepted_drafts: list[list[int]], emitted: list[list[int]], block_size: int) -> dict:
+    """Per prompt and verify step: accepted drafts (before any EOS / max_new_tokens cut) and tokens
+    emitted (after it), as in ``SpecResult`` -> τ, per-position rates, histogram."""
+    flat = [a for per_prompt in accepted_drafts for a in per_prompt]
+    flat_emitted = [e for per_prompt in emitted for e in per_prompt]
     steps = len(flat)
     hist = [sum(1 for a in flat if a == k) for k in range(block_size)]
     rates = [sum(1 for a in flat if a >= k) / steps if steps else 0.0 for k in range(1, block_size)]
     return {
         "steps": steps,
-        "mean_tau": sum(a + 1 for a in flat) / steps if steps else float("nan"),
+        "mean_tau": sum(flat_emitted) / steps if steps else float("nan"),  # emitted tokens per verify step
+        "mean_accepted_drafts": sum(flat) / steps if steps else float("nan"),  # = Σ per_position_acceptance
+        "truncated_steps": sum(1 for a, e in zip(flat, flat_emitted) if e < a + 1),  # last steps cut short
         "per_position_acceptance": rates,  # index 0 = position k=1
-        "accepted_length_histogram": hist,  # index = accepted drafts (τ - 1)
+        "accepted_drafts_histogram": hist,  # index = accepted drafts
     }
 
 
@@ -200,10 +209,18 @@ def evaluate_acceptance(
             generator=gen,
         )
         spec_time += time.perf_counter() - t0
-        records.append({"index": i, "prompt": p, "ids": res.sequences[0], "accepted": res.accepted[0]})
-        bar.set_postfix(tau=f"{acceptance_stats([r['accepted'] for r in records], B)['mean_tau']:.2f}")
+        records.append(
+            {
+                "index": i,
+                "prompt": p,
+                "ids": res.sequences[0],
+                "accepted_drafts": res.accepted_drafts[0],
+                "emitted": res.emitted[0],
+            }
+        )
+        bar.set_postfix(tau=f"{res.mean_tau:.2f}")
 
-    stats = acceptance_stats([r["accepted"] for r in records], B)
+    stats = acceptance_stats([r["accepted_drafts"] for r in records], [r["emitted"] for r in records], B)
     tokens = sum(len(r["ids"]) for r in records)
     results = {
         "num_prompts": len(records),
@@ -211,9 +228,7 @@ def evaluate_acceptance(
         "skipped": skipped,
         "prompt_counts": counts,
         **stats,
-        "tokens": tokens,
-        # emitted tokens per verify step after EOS / max_new_tokens truncation (the prefill token excluded)
-        "emitted_per_step": (tokens - len(records)) / stats["steps"] if stats["steps"] else float("nan"),
+        "tokens": tokens,  # generated, the prefill's first token of each prompt included
         "wall_time_s": spec_time,
         "tokens_per_s": tokens / spec_time if spec_time > 0 else float("nan"),
         "lossless": None,
@@ -270,8 +285,9 @@ def write_outputs(out: Path, results: dict, records: list[dict], tokenizer) -> N
                 "prompt": r["prompt"].text,
                 "generated_text": tokenizer.decode(r["ids"]) if tokenizer is not None else None,
                 "generated_ids": r["ids"],
-                "accepted_lengths": r["accepted"],
-                "tau": sum(a + 1 for a in r["accepted"]) / len(r["accepted"]) if r["accepted"] else None,
+                "accepted_drafts": r["accepted_drafts"],
+                "emitted": r["emitted"],
+                "tau": sum(r["emitted"]) / len(r["emitted"]) if r["emitted"] else None,
             }
             if "lossless" in r:
                 row["lossless"] = r["lossless"]
@@ -286,14 +302,14 @@ def write_outputs(out: Path, results: dict, records: list[dict], tokenizer) -> N
         f"Per-position acceptance (mean τ {results['mean_tau']:.2f})",
         ylim=(0, 1),
     )
-    hist = results["accepted_length_histogram"]
+    hist = results["accepted_drafts_histogram"]
     _plot_bars(
         out / "tau_histogram.png",
-        list(range(1, len(hist) + 1)),
+        list(range(len(hist))),
         hist,
-        "τ = accepted + 1 (tokens per step)",
+        "accepted drafts (the step emits them + 1)",
         "verify steps",
-        f"τ histogram ({results['steps']} steps)",
+        f"accepted drafts per step ({results['steps']} steps)",
     )
 
 
@@ -306,8 +322,9 @@ def markdown_table(results: dict) -> str:
         ("temperature / top-k / top-p", f"{s['temperature']} / {s['top_k']} / {s['top_p']}"),
         ("prompts", f"{results['num_prompts']} evaluated, {results['skipped_prompts']} skipped"),
         *[("fewer prompts", note) for note in results.get("prompt_counts", {}).get("notes", [])],
-        ("mean τ (tokens per verify step incl. bonus)", f"{results['mean_tau']:.3f}"),
-        ("verify steps", str(results["steps"])),
+        ("mean τ (tokens emitted per verify step incl. bonus; prefill token excluded)", f"{results['mean_tau']:.3f}"),
+        ("mean accepted drafts per step (before EOS / length cuts)", f"{results['mean_accepted_drafts']:.3f}"),
+        ("verify steps", f"{results['steps']} ({results['truncated_steps']} last steps cut by EOS / length)"),
         ("generated tokens", str(results["tokens"])),
         ("wall time (reference decoder)", f"{results['wall_time_s']:.2f} s ({results['tokens_per_s']:.1f} tok/s)"),
         ("lossless vs greedy", lossless),
@@ -324,9 +341,9 @@ def markdown_table(results: dict) -> str:
         "| rate | " + " | ".join(f"{r:.3f}" for r in rates) + " |",
         "",
     ]
-    hist = results["accepted_length_histogram"]
+    hist = results["accepted_drafts_histogram"]
     lines += [
-        "## Accepted lengths",
+        "## Accepted drafts per step",
         "",
         "| accepted | " + " | ".join(str(k) for k in range(len(hist))) + " |",
         "|---|" + "---|" * len(hist),

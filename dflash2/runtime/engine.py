@@ -322,7 +322,7 @@ class Decoder:
         B = self.drafter.block_size
         s, ids, lengths, N = self._begin(prompts, max_new_tokens, eos_token_id, B)
         if max_new_tokens == 0:
-            return SpecResult([[] for _ in range(N)], [[] for _ in range(N)], B)
+            return SpecResult([[] for _ in range(N)], [[] for _ in range(N)], [[] for _ in range(N)], B)
         # prefill: the prompt's taps go to a buffer of their own (variable length), then into the context
         taps = None if s.ctx.taps is None else s.ctx.taps.new_empty(s.batch, ids.shape[1], s.ctx.taps.shape[-1])
         logits = prefill(self.model, s.state, ids, lengths, taps_out=taps)
@@ -338,17 +338,20 @@ class Decoder:
             self._phase(s, ("commit", B), lambda: self._commit(s, B, True), "commit")
 
         self._loop(s, B, step)
-        return SpecResult(self._sequences(s, N), self._per_row_steps(s, N), B)
+        return SpecResult(self._sequences(s, N), *self._per_row_steps(s, N), B)
 
     @staticmethod
     def _sequences(s: Slot, N: int) -> list[list[int]]:
         return [row[:n] for row, n in zip(s.out[:N].tolist(), s.count[:N].tolist())]
 
     @staticmethod
-    def _per_row_steps(s: Slot, N: int) -> list[list[int]]:
-        """The step log (S, 3, Nb) -> per row, the accepted drafts of each step it took part in (one read)."""
+    def _per_row_steps(s: Slot, N: int) -> tuple[list[list[int]], list[list[int]]]:
+        """The step log (S, 3, Nb) -> per row, the accepted drafts (before any EOS / budget cut) and the
+        tokens emitted (after it) of each step it took part in, as ``SpecResult`` keeps them (one read)."""
         steps = s.log[: int(s.step)].tolist()
-        return [[acc[r] for was, acc, _ in steps if was[r]] for r in range(N)]
+        accepted = [[acc[r] for was, acc, _ in steps if was[r]] for r in range(N)]
+        emitted = [[emit[r] for was, _, emit in steps if was[r]] for r in range(N)]
+        return accepted, emitted
 
 
 def _decoder_for(model, drafter, prompts, max_new_tokens: int, extra: int, graphs: bool) -> Decoder:

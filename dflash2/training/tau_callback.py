@@ -2,9 +2,11 @@
 
 Every `every_n_validations` validation runs, decode a few validation prompts with
 the *real* lossless speculative decoder (`dflash2.decoding`, T=0) against the frozen
-target, and log the measured mean τ (`val/tau_measured`) next to the estimate
-from per-position accuracies (`val/tau_estimate`). The prompts are the prompt
-parts of the regenerated validation sequences, never the held-out-eval split.
+target, and log the measured mean τ (`val/tau_measured`: tokens emitted by verify
+steps / verify steps, the prefill's token excluded, a last step cut at EOS /
+max_new_tokens counting only what it emitted; `SpecResult.mean_tau`) next to the
+estimate from per-position accuracies (`val/tau_estimate`). The prompts are the
+prompt parts of the regenerated validation sequences, never the held-out-eval split.
 
 Cost on the embedded tiny pair (CPU, 4 prompts × 64 tokens): about a second
 per call, so it is on by default.

@@ -424,18 +424,21 @@ def dflash2_components(folder: Path, num_blocks: int = 32, seed: int = 0, logit_
 
 # ---------------------------------------------------------------- 5. ours
 def acceptance_from_counts(num_drafts: int, accepted_per_pos: list[int]) -> dict:
+    """vLLM's counters -> per-position rates and vLLM's mean acceptance length, 1 + accepted drafts per
+    draft. Both count accepted drafts before any EOS / max_tokens cut, so they are compared with our
+    raw ``SpecResult.accepted_drafts``, not with our τ (``mean_tau`` counts only emitted tokens)."""
     rates = [a / num_drafts if num_drafts else float("nan") for a in accepted_per_pos]
     return {
         "num_drafts": num_drafts,
         "accepted_per_pos": accepted_per_pos,
-        "tau": 1 + sum(accepted_per_pos) / num_drafts if num_drafts else float("nan"),
+        "acceptance_length": 1 + sum(accepted_per_pos) / num_drafts if num_drafts else float("nan"),
         "rate_per_pos": rates,
     }
 
 
 def ours_acceptance(result) -> dict:
     """Our SpecResult -> the counters vLLM reports: drafts (= verify steps) and accepted per position."""
-    steps = [a for acc in result.accepted for a in acc]
+    steps = [a for acc in result.accepted_drafts for a in acc]
     per_pos = [sum(a > k for a in steps) for k in range(result.block_size - 1)]
     return acceptance_from_counts(len(steps), per_pos)
 
@@ -483,7 +486,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=600, help="drafter training steps")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--tau-tol", type=float, default=0.05, help="max |τ_vLLM - τ_ours| for the same export")
+    ap.add_argument(
+        "--tau-tol",
+        type=float,
+        default=0.05,
+        help="max |vLLM - ours| of the mean acceptance length (1 + accepted drafts per draft), same export",
+    )
     ap.add_argument("--pos-tol", type=float, default=0.03, help="max |rate_vLLM - rate_ours| at any position")
     ap.add_argument("--no-dflash2", action="store_true", help="skip the DFlash2 drafter")
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 export of the v1 drafter")
@@ -554,11 +562,12 @@ def main() -> int:
             "tokens": res.sequences,
             "lossless": res.sequences == greedy,
             "target_layer_ids": ids,
+            "tau": res.mean_tau,  # emitted tokens per verify step: our headline, not vLLM's counter
             **ours_acceptance(res),
         }
         log(
-            f"ours [{name}]: τ={ours[name]['tau']:.3f} over {ours[name]['num_drafts']} steps, "
-            f"lossless={ours[name]['lossless']}"
+            f"ours [{name}]: τ={ours[name]['tau']:.3f} (acceptance length {ours[name]['acceptance_length']:.3f}) "
+            f"over {ours[name]['num_drafts']} steps, lossless={ours[name]['lossless']}"
         )
     timings["ours_s"] = round(time.perf_counter() - t0, 1)
 
@@ -611,11 +620,11 @@ def main() -> int:
             f"vLLM logged {aux[-1] if aux else 'nothing'!r}; expected {want}",
         )
         oa = ours[name]
-        d_tau = va["tau"] - oa["tau"]
+        d_tau = va["acceptance_length"] - oa["acceptance_length"]
         d_pos = max(abs(a - b) for a, b in zip(va["rate_per_pos"], oa["rate_per_pos"]))
         comparisons[name] = {
             "vs": f"ours[{name}]",
-            "d_tau": round(d_tau, 4),
+            "d_acceptance_length": round(d_tau, 4),
             "max_d_rate": round(d_pos, 4),
             "drafts_vllm": va["num_drafts"],
             "drafts_ours": oa["num_drafts"],
@@ -623,24 +632,25 @@ def main() -> int:
         check(
             f"vLLM {name}: acceptance == ours[{name}]",
             abs(d_tau) <= args.tau_tol and d_pos <= args.pos_tol,
-            f"τ {va['tau']:.3f} vs {oa['tau']:.3f} (Δ {d_tau:+.3f}, tol {args.tau_tol}); max Δrate {d_pos:.3f} "
-            f"(tol {args.pos_tol}); drafts {va['num_drafts']} vs {oa['num_drafts']}",
+            f"acceptance length {va['acceptance_length']:.3f} vs {oa['acceptance_length']:.3f} "
+            f"(Δ {d_tau:+.3f}, tol {args.tau_tol}); max Δrate {d_pos:.3f} (tol {args.pos_tol}); "
+            f"drafts {va['num_drafts']} vs {oa['num_drafts']}",
         )
     if "acceptance" in vllm.get("neg", {}):
         # The shifted export, judged against what the drafter was trained for (ours[v1]): the
         # acceptance check above would have to flag it, by a wide margin (>= 3x the tolerance).
-        neg_tau, ref_tau = vllm["neg"]["acceptance"]["tau"], ours["v1"]["tau"]
+        neg_tau, ref_tau = vllm["neg"]["acceptance"]["acceptance_length"], ours["v1"]["acceptance_length"]
         drop = ref_tau - neg_tau
         comparisons["neg_vs_trained_ids"] = {
             "vs": "ours[v1]",
-            "d_tau": round(-drop, 4),
+            "d_acceptance_length": round(-drop, 4),
             "accepted_per_step_drop": round(drop / (ref_tau - 1), 4),
         }
         check(
             "vLLM neg (taps +1 by hand): acceptance clearly lower than the trained export",
             drop >= 3 * args.tau_tol,
-            f"τ {neg_tau:.3f} vs {ref_tau:.3f} (drop {drop:.3f} = {drop / (ref_tau - 1):.0%} of the accepted "
-            f"drafts per step; need >= {3 * args.tau_tol:.2f} = 3x the tolerance)",
+            f"acceptance length {neg_tau:.3f} vs {ref_tau:.3f} (drop {drop:.3f} = {drop / (ref_tau - 1):.0%} "
+            f"of the accepted drafts per step; need >= {3 * args.tau_tol:.2f} = 3x the tolerance)",
         )
     # A folder shaped like z-lab's published DFlash2 config (sliding layers, output multiplier,
     # softcap 20; random bf16 weights at this target's size), through the same component check.
@@ -673,14 +683,16 @@ def main() -> int:
 
     # report
     print()
-    print(f"{'export':<9} {'side':<5} {'τ':>6} {'drafts':>6}  acceptance rate at draft position 1..{BLOCK_SIZE - 1}")
+    print(
+        f"{'export':<9} {'side':<5} {'acclen':>6} {'drafts':>6}  acceptance rate at draft position 1..{BLOCK_SIZE - 1}"
+    )
     for name in folders:
         for side, a in (("ours", ours[name]), ("vLLM", vllm.get(name, {}).get("acceptance"))):
             if a is None:
                 print(f"{name:<9} {side:<5} {'-':>6} {'-':>6}  (not run)")
                 continue
             rates = " ".join(f"{r:.3f}" for r in a["rate_per_pos"])
-            print(f"{name:<9} {side:<5} {a['tau']:>6.3f} {a['num_drafts']:>6}  {rates}")
+            print(f"{name:<9} {side:<5} {a['acceptance_length']:>6.3f} {a['num_drafts']:>6}  {rates}")
     print()
     for c in checks:
         print(f"  [{c['status']}] {c['check']}: {c['detail']}")
