@@ -9,7 +9,7 @@ result is a `datasets` Arrow dataset with columns
     prompt_len int
 
 saved under `cache_dir/data/<split>-<key>/`, where the key hashes the
-target, the corpus split and every generation setting: a rerun with the same
+target, the dtype it runs in, the corpus split and every generation setting: a rerun with the same
 inputs reuses it, a changed input regenerates. The dataset is written to a
 temporary folder renamed into place, so an interrupted run leaves no half
 dataset behind.
@@ -40,6 +40,7 @@ from dflash2.corpus import corpus_fingerprint, load_documents
 from dflash2.data.prompts import code_prompt_batches
 from dflash2.data.shard_store import Shard, ShardStore
 from dflash2.errors import DFlash2Error
+from dflash2.target_dtype import dtype_name
 
 
 def target_fingerprint(name_or_path: str | Path) -> str:
@@ -143,6 +144,29 @@ def generate_responses(
     return result.cpu()
 
 
+def regeneration_cache_key(target, data: dict, *, split: str, num_prompts: int, seed: int, target_id: str) -> str:
+    """16 hex digits naming a regenerated split: target contents, the dtype it runs in, corpus split, settings.
+
+    The dtype is part of it because a bf16 target's greedy continuations differ from its
+    fp32 ones (near-ties flip), so each precision gets its own data (ARCHITECTURE.md §2.1).
+    """
+    split_kw = {
+        "validation_fraction": float(data["validation_fraction"]),
+        "heldout_fraction": float(data["heldout_fraction"]),
+    }
+    return hashlib.sha256(
+        json.dumps(
+            {
+                "target": target_fingerprint(target_id),
+                "target_dtype": dtype_name(target.dtype),
+                "corpus": corpus_fingerprint(data["sources"], split, **split_kw),
+                "settings": generation_settings(data, split, num_prompts, seed),
+            },
+            sort_keys=True,
+        ).encode()
+    ).hexdigest()[:16]
+
+
 def regenerate_split(
     target, data: dict, *, split: str, num_prompts: int, seed: int, cache_dir: Path, target_id: str, device: str = "cpu"
 ):
@@ -159,17 +183,7 @@ def regenerate_split(
         "validation_fraction": float(data["validation_fraction"]),
         "heldout_fraction": float(data["heldout_fraction"]),
     }
-    settings = generation_settings(data, split, num_prompts, seed)
-    key = hashlib.sha256(
-        json.dumps(
-            {
-                "target": target_fingerprint(target_id),
-                "corpus": corpus_fingerprint(sources, split, **split_kw),
-                "settings": settings,
-            },
-            sort_keys=True,
-        ).encode()
-    ).hexdigest()[:16]
+    key = regeneration_cache_key(target, data, split=split, num_prompts=num_prompts, seed=seed, target_id=target_id)
     final = Path(cache_dir) / "data" / f"{split}-{key}"
     if (final / "dataset_info.json").exists():
         return datasets.load_from_disk(str(final))

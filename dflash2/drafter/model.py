@@ -245,8 +245,11 @@ class DFlashDrafter(nn.Module):
 
     # ------------------------------------------------------------------ core
     def fuse_context(self, taps: torch.Tensor) -> torch.Tensor:
-        """taps (N, L, K·d_t) concatenated target features -> c (N, L, d)."""
-        return self.hidden_norm(self.fc(taps))
+        """taps (N, L, K·d_t) concatenated target features, any float dtype -> c (N, L, d).
+
+        The taps are cast to the drafter's own dtype: a bf16 target feeds an fp32 drafter
+        in training (fp32 master weights) and a bf16 or fp32 one when served."""
+        return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
 
     def forward(self, block_embeds, block_positions, context, context_positions, attn_mask):
         """block_embeds (N, S, d) (S = A·B, blocks concatenated), block_positions (N, S),

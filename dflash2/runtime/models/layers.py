@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash2.runtime.cache import KVCache, StepMeta
+from dflash2.text_model import rope_theta
 
 
 class RMSNorm(nn.Module):
@@ -79,7 +80,7 @@ def rope_inv_freq(text_config, head_dim: int) -> tuple[torch.Tensor, float]:
     """
     params = dict(getattr(text_config, "rope_parameters", None) or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
-    theta = float(params.get("rope_theta", getattr(text_config, "rope_theta", 10000.0)))
+    theta = rope_theta(text_config)  # rope_parameters (transformers 5) or rope_theta; absent: one-line error
     partial = float(params.get("partial_rotary_factor", getattr(text_config, "partial_rotary_factor", 1.0)))
     rot = int(head_dim * partial)
     if rope_type == "default":
