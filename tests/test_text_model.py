@@ -8,18 +8,30 @@ drafter config takes its fields from there with no silent default.
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import transformers
+from conftest import MICRO_DRAFTER_OVERRIDES
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash2.decoding import greedy_generate, speculative_generate
+from dflash2.drafter import load_drafter
 from dflash2.drafter.from_target import drafter_config_for_target
 from dflash2.errors import DFlash2Error
+from dflash2.eval import acceptance_cli
+from dflash2.export import export_drafter, read_target_info
 from dflash2.target import TargetModel
 from dflash2.text_model import config_field, language_model, rope_theta, text_config
+from dflash2.training.cli import CONFIG_DIR
+from dflash2.training.run import run_from_config
 
 TAPS = [0, 1, 2]
 ROPE_THETA = 1e7  # the published Qwen3.5 value, far from every default (10000)
@@ -220,3 +232,53 @@ def test_a_field_the_target_config_lacks_is_one_line_naming_it(composite_dir, fi
         value = {"intermediate_size": 48, "rope_theta": 5e5}[field]
         config = drafter_config_for_target({**DRAFTER_SETTINGS, field: value}, target)
         assert getattr(config, field) == value
+
+
+# ------------------------------------------------------------------ train -> export -> eval on the composite folder
+@pytest.mark.slow
+def test_composite_folder_trains_exports_and_evaluates(composite_dir, tmp_path, monkeypatch, capsys):
+    with safe_open(str(composite_dir / "model.safetensors"), "pt") as f:  # saved like the published checkpoints
+        names = list(f.keys())
+    assert any(k.startswith("model.language_model.") for k in names)
+    assert any(k.startswith("model.visual.") for k in names)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(
+            "train",
+            overrides=[
+                f"paths.output_dir={tmp_path / 'run'}",
+                f"paths.cache_dir={tmp_path / 'cache'}",
+                f"target.path={composite_dir}",
+                *MICRO_DRAFTER_OVERRIDES,
+            ],
+        )
+    GlobalHydra.instance().clear()
+    run = Path(run_from_config(cfg)["output_dir"])
+    trained = load_drafter(run / "drafter")
+    assert trained.config.rope_theta == ROPE_THETA and trained.config.max_position_embeddings == MAX_POSITIONS
+
+    info = read_target_info(str(composite_dir))  # AutoConfig gives the composite config: its text part is read
+    assert (info.num_layers, info.hidden_size, info.rope_theta) == (4, 32, ROPE_THETA)
+    exported = export_drafter(run / "checkpoints" / "last.ckpt", tmp_path / "export", target=str(composite_dir))
+    assert json.loads((exported / "config.json").read_text())["rope_theta"] == ROPE_THETA
+
+    out = tmp_path / "eval"
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "eval.acceptance",
+            f"target={composite_dir}",
+            f"drafter={exported}",
+            "num_prompts=4",
+            "prompt_tokens=16",
+            "max_new_tokens=24",
+            f"paths.output_dir={out}",
+            "hydra/job_logging=none",
+            "hydra/hydra_logging=none",
+        ],
+    )
+    acceptance_cli.main()
+    res = json.loads((out / "results.json").read_text())
+    assert res["lossless"] is True and res["num_prompts"] == 4 and res["settings"]["dtype"] == "float32"
+    assert "lossless true" in capsys.readouterr().out
