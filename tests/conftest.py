@@ -268,3 +268,84 @@ def make_spec_target():
 @pytest.fixture(scope="session")
 def make_spec_drafter():
     return spec_drafter
+
+
+# ---------------------------------------------------------------- runtime (issue 13)
+# The runtime's own forwards are checked against HF for three families: attention-only Qwen3,
+# Llama (biases, tied embeddings, Llama-3 RoPE scaling) and the Qwen3.5 hybrid (3 GDN : 1 attention).
+RUNTIME_KINDS = ("qwen3", "llama", "qwen3_5")
+
+
+def runtime_hf_config(kind: str, vocab_size: int = SPEC_VOCAB):
+    import transformers
+
+    if kind != "llama":
+        return spec_target_config(kind, vocab_size)  # qwen3_5: partial RoPE (1/4 of each head)
+    return transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        initializer_range=0.1,
+        max_position_embeddings=1024,
+        attention_bias=True,  # biases are randomised below, so they are really checked
+        tie_word_embeddings=True,  # the checkpoint has no lm_head.weight: the loader ties
+        # Llama-3 frequency scaling, with an original context short enough to change some frequencies
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    )
+
+
+def build_runtime_hf(kind: str, seed: int = 0, vocab_size: int = SPEC_VOCAB):
+    """A random fp32 HF model of ``kind`` (biases randomised too: zero biases would check nothing)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(runtime_hf_config(kind, vocab_size)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_targets(tmp_path_factory):
+    """{kind: (HF model fp32, folder with its fp32 safetensors)} for every runtime family, built once."""
+    out = {}
+    for kind in RUNTIME_KINDS:
+        model = build_runtime_hf(kind)
+        folder = tmp_path_factory.mktemp(f"rt_{kind}")
+        model.save_pretrained(folder)
+        out[kind] = (model, folder)
+    return out
+
+
+def nontrivial_dflash2(drafter, seed: int = 7):
+    """Move a DFlash2 drafter's conv off the identity and its selector off ~argmax (in place).
+
+    At init both are no-ops (identity conv, near-zero pair term): a fresh DFlash2 drafter drafts what
+    v1 drafts, and a test through it would check nothing of its own."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in drafter.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel.add_(0.5 * torch.randn(conv.base_kernel.shape, generator=g))
+                conv.kernel_projection.weight.copy_(0.5 * torch.randn(conv.kernel_projection.weight.shape, generator=g))
+        sel = drafter.candidate_selector
+        for p, std in (
+            (sel.predecessor_codebook, 0.6),
+            (sel.successor_codebook, 0.6),
+            (sel.hidden_projection.weight, 0.2),
+        ):
+            p.copy_(std * torch.randn(p.shape, generator=g))
+    return drafter

@@ -11,12 +11,12 @@ import copy
 
 import pytest
 import torch
-from conftest import spec_target_config
+from conftest import RUNTIME_KINDS
 from safetensors.torch import load_file, save_file
 
 from dflash2.runtime import load_model
 
-KINDS = ("qwen3", "llama", "qwen3_5")
+KINDS = RUNTIME_KINDS
 # fp32 logits (|logit| ≤ ~3 here). Attention-only targets match HF to ~1e-6 (and to 1e-15 in fp64,
 # test_fp64_attention_targets_match_hf_exactly). The hybrid's GDN runs in fp32 in both HF and here,
 # HF's prefill sums in chunks where ours is recurrent, and the gated RMSNorm of the small early GDN
@@ -24,59 +24,6 @@ KINDS = ("qwen3", "llama", "qwen3_5")
 # sequence differ by ~6e-6, ours differs from HF by ≤ ~2e-5. The GDN math itself is checked to
 # rounding against HF's functions in test_runtime_gdn_state.py.
 ATOL = {"qwen3": 1e-5, "llama": 1e-5, "qwen3_5": 5e-5}
-
-
-def _hf_config(kind: str):
-    import transformers
-
-    if kind != "llama":
-        return spec_target_config(kind)  # qwen3_5: partial RoPE (1/4 of each head), 3 GDN : 1 attention
-    return transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        initializer_range=0.1,
-        max_position_embeddings=1024,
-        attention_bias=True,  # biases are randomised below, so they are really checked
-        tie_word_embeddings=True,  # the checkpoint has no lm_head.weight: the loader ties
-        # Llama-3 frequency scaling, with an original context short enough to change some frequencies
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 10000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16,
-        },
-    )
-
-
-def _build_hf(kind: str, seed: int = 0):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_hf_config(kind)).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-    return model
-
-
-@pytest.fixture(scope="session")
-def hf_targets(tmp_path_factory):
-    """{kind: (HF model fp32, folder with its fp32 safetensors)}."""
-    out = {}
-    for kind in KINDS:
-        model = _build_hf(kind)
-        folder = tmp_path_factory.mktemp(f"rt_{kind}")
-        model.save_pretrained(folder)
-        out[kind] = (model, folder)
-    return out
 
 
 def _hf_reference(model, seq: torch.Tensor, taps: list[int]):

@@ -7,11 +7,29 @@ Plain PyTorch, device-agnostic, no Lightning/Hydra. What exists now:
 - :mod:`dflash2.runtime.cache`: the static KV cache, per-row lengths, the per-step metadata
   and :class:`~dflash2.runtime.cache.DecodeState` (verify, then ``commit(n)``);
 - :mod:`dflash2.runtime.gdn_state`: Gated DeltaNet conv + recurrent states with
-  verify (outputs from the untouched state, logs k/u/g) and commit (replay of n tokens).
+  verify (outputs from the untouched state, logs k/u/g) and commit (replay of n tokens);
+- :mod:`dflash2.runtime.drafter`: the DFlash / DFlash2 drafter over a static context cache;
+- :mod:`dflash2.runtime.step`, :mod:`dflash2.runtime.sampling`: the pieces of one step
+  (prefill, verify, acceptance at T=0 and T>0 with sparse proposals, commit, emit);
+- :mod:`dflash2.runtime.engine`: :func:`generate_ar` and :func:`generate_spec`, batched and ragged.
 """
 
 from dflash2.runtime.cache import DecodeState, KVCache, StepMeta
+from dflash2.runtime.drafter import DraftContext, RuntimeDrafter
+from dflash2.runtime.engine import generate_ar, generate_spec
 from dflash2.runtime.gdn_state import GDNState
 from dflash2.runtime.models import load_model
+from dflash2.runtime.sampling import Proposal
 
-__all__ = ["DecodeState", "GDNState", "KVCache", "StepMeta", "load_model"]
+__all__ = [
+    "DecodeState",
+    "DraftContext",
+    "GDNState",
+    "KVCache",
+    "Proposal",
+    "RuntimeDrafter",
+    "StepMeta",
+    "generate_ar",
+    "generate_spec",
+    "load_model",
+]

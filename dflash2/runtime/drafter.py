@@ -1,0 +1,206 @@
+"""The DFlash / DFlash2 drafter in the runtime: its weights, a static context cache (docs/ARCHITECTURE.md §2.7).
+
+Same weights and the same math as :class:`dflash2.drafter.DFlashDrafter` (the module
+is used as it is: its projections, norms, fusion, local conv and selector), with
+the reference ``ContextCache`` replaced by :class:`DraftContext`:
+
+* context K/V of every drafter layer live in a preallocated :class:`KVCache`
+  (L_d, N, Hkv, S_max, hd); row r's context occupies positions 0 .. lengths[r]-1
+  and ``lengths`` stays on the device (no host sync, no reallocation);
+* the target's verify forward writes its taps straight into ``DraftContext.taps``
+  (N, B, K·d) (``taps_out=``, no hooks); :meth:`RuntimeDrafter.append` fuses the
+  first n[r] of them (fc + hidden_norm), projects K/V per layer and writes them at
+  positions lengths[r] .. (per row), then advances lengths by n;
+* a draft step writes the block's own K/V into the same cache at positions
+  lengths .. lengths+B-1 (past the context: the next append overwrites them) and
+  attends over the first kv_len positions with a mask that shows each row its
+  context and its whole block (bidirectional), so no context K/V is ever copied or
+  concatenated and GQA folds query groups instead of repeating K/V (cache.py).
+
+A block ``[anchor, MASK × (B-1)]`` at positions lengths .. lengths+B-1 gives B-1 drafts
+(positions 1 .. B-1 through the target's LM head): argmax or the selector's greedy
+path at T=0; at T>0 a draw from the warped full-vocabulary q (dense), the
+selector's sampled path (sparse q over its k candidates) or, with
+``argmax_drafts=True``, the T=0 drafts as a point mass (sampling.py).
+
+Shapes: N rows, B block, P = B-1, d hidden, Hkv / H heads, hd head_dim, K·d taps, V vocab.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import torch
+
+from dflash2.decoding.sampling import SamplingParams, warp_probs
+from dflash2.drafter.from_target import check_drafter_matches_target
+from dflash2.drafter.io import load_drafter
+from dflash2.drafter.model import DFlashDrafter, apply_rope, rope_cos_sin
+from dflash2.errors import DFlash2Error
+from dflash2.runtime.cache import KVCache, StepMeta
+from dflash2.runtime.sampling import Proposal, sample, selector_sample_sparse
+
+
+class DraftContext:
+    """Per-generation drafter state: context lengths, context K/V and the taps buffer.
+
+    lengths: (N,) long on the device, context positions per row (= the target's committed length).
+    kv:      KVCache (L_d, N, Hkv, S_max, hd) of context K/V (and, transiently, the block's).
+    taps:    (N, B, K·d) where the target's verify forward writes its taps (``taps_out``).
+    """
+
+    def __init__(self, lengths: torch.Tensor, kv: KVCache, taps: torch.Tensor):
+        self.lengths, self.kv, self.taps = lengths, kv, taps
+
+    def meta(self, T: int, kv_len: int | None = None, attend: bool = True) -> StepMeta:
+        """Positions lengths + 0..T-1 per row, their write index and (attend) the draft mask.
+
+        Mask (N, 1, 1, S), broadcast over heads and queries: key s is visible iff s < lengths + T,
+        the row's context and the whole block (bidirectional inside the block, §2.5).
+        """
+        device = self.lengths.device
+        positions = self.lengths[:, None] + torch.arange(T, device=device)  # (N, T)
+        hkv, D = self.kv.k.shape[2], self.kv.k.shape[-1]
+        write_index = positions[:, None, :, None].expand(-1, hkv, -1, D)  # (N, Hkv, T, D)
+        if not attend:
+            return StepMeta(positions, write_index, None, 0)
+        kv_len = self.kv.max_len if kv_len is None else kv_len
+        keys = torch.arange(kv_len, device=device)
+        mask = (keys[None, :] < (self.lengths + T)[:, None])[:, None, None, :]  # (N, 1, 1, S)
+        return StepMeta(positions, write_index, mask, kv_len)
+
+
+class RuntimeDrafter:
+    """A DFlash / DFlash2 drafter driven by the runtime (weights of ``dflash2.drafter``, static context).
+
+    drafter: a :class:`DFlashDrafter` or the folder of one (``save_drafter`` / export / z-lab layout,
+    loaded on the target's device). target: the runtime target (``dflash2.runtime.load_model``),
+    tapping the drafter's ``target_layer_ids``; its embedding and LM head are the drafter's.
+    dtype: cast the drafter (a folder's stored dtype, or the module's, when None).
+    """
+
+    def __init__(self, drafter: DFlashDrafter | str | os.PathLike, target, *, dtype: torch.dtype | None = None):
+        device = target.embed.weight.device
+        if isinstance(drafter, (str, os.PathLike)):
+            drafter = load_drafter(drafter, device=device, dtype=dtype)
+        elif not isinstance(drafter, DFlashDrafter):
+            raise DFlash2Error(f"drafter must be a DFlashDrafter or its folder, got {type(drafter).__name__}")
+        elif dtype is not None:
+            drafter = drafter.to(dtype)
+        cfg = drafter.config
+        shape = SimpleNamespace(
+            vocab_size=target.vocab_size, hidden_size=target.hidden_size, num_layers=target.num_layers, tokenizer=None
+        )
+        check_drafter_matches_target(cfg, shape)  # vocab / width / depth
+        if list(target.target_layer_ids) != list(cfg.target_layer_ids):
+            raise DFlash2Error(
+                f"the drafter reads target layers {cfg.target_layer_ids} but the runtime target taps "
+                f"{target.target_layer_ids}; load it with load_model(..., target_layer_ids={cfg.target_layer_ids})"
+            )
+        weight = drafter.fc.weight
+        if weight.device != device:
+            raise DFlash2Error(f"the drafter is on {weight.device} and the target on {device}; move one of them")
+        self.drafter = drafter.eval().requires_grad_(False)
+        self.target = target
+        self.config = cfg
+        self.block_size = cfg.block_size
+        self.dtype = weight.dtype
+
+    # ------------------------------------------------------------------ state
+    def new_context(self, batch_size: int, max_len: int) -> DraftContext:
+        """Empty context for ``batch_size`` rows of up to ``max_len`` positions (prompt + new tokens + a block)."""
+        cfg = self.config
+        w = self.drafter.fc.weight
+        kv = KVCache(
+            cfg.num_hidden_layers,
+            batch_size,
+            cfg.num_key_value_heads,
+            max_len,
+            cfg.head_dim,
+            groups=cfg.num_attention_heads // cfg.num_key_value_heads,
+            dtype=self.dtype,
+            device=w.device,
+        )
+        tap_dtype = self.target.embed.weight.dtype  # written by the target's forward, in its dtype
+        taps = torch.zeros(batch_size, self.block_size, w.shape[1], dtype=tap_dtype, device=w.device)
+        lengths = torch.zeros(batch_size, dtype=torch.long, device=w.device)
+        return DraftContext(lengths, kv, taps)
+
+    @torch.no_grad()
+    def append(self, ctx: DraftContext, taps: torch.Tensor, n: torch.Tensor) -> None:
+        """Add target features of new verified positions: taps (N, T, K·d) at positions lengths + 0..T-1.
+
+        Row r keeps the first n[r] (N,) long; the K/V of the rest land past its length (never read,
+        overwritten later). Same values as ``ContextCache.append``: c = hidden_norm(fc(taps)), then per
+        layer K = RoPE(k_norm(k_proj(c))), V = v_proj(c).
+        """
+        T = taps.shape[1]
+        c = self.drafter.fuse_context(taps.to(self.dtype))  # (N, T, d)
+        meta = ctx.meta(T, attend=False)
+        cos, sin = rope_cos_sin(meta.positions, self.config.head_dim, self.config.rope_theta, c.dtype)
+        for i, layer in enumerate(self.drafter.layers):
+            k, v = layer.self_attn.context_kv(c, cos, sin)  # (N, Hkv, T, hd)
+            ctx.kv.write(i, k, v, meta)
+        ctx.lengths += n
+
+    # ------------------------------------------------------------------ draft
+    def _attention(self, attn, x, cos, sin, kv: KVCache, slot: int, meta: StepMeta) -> torch.Tensor:
+        """The drafter attention (``dflash2.drafter.model.Attention``) over the static cache. x (N, B, d)."""
+        N, T, _ = x.shape
+        q = attn.q_norm(attn.q_proj(x).view(N, T, attn.h, attn.hd)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)  # (N, H, B, hd)
+        k, v = attn.context_kv(x, cos, sin)  # block K/V: the same projections as the context's
+        kv.write(slot, k, v, meta)  # at lengths .. lengths+B-1, right after the row's context
+        y = kv.attend(slot, q, meta)  # (N, H, B, hd)
+        return attn.o_proj(y.transpose(1, 2).reshape(N, T, attn.h * attn.hd))
+
+    @torch.no_grad()
+    def hidden(self, ctx: DraftContext, anchor: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
+        """The block [anchor, MASK × (B-1)] at positions lengths .. lengths+B-1 -> hidden (N, B, d) after norm.
+
+        anchor (N,) long. kv_len: cache positions attended, ≥ max(lengths) + B (default all).
+        """
+        N, B = anchor.shape[0], self.block_size
+        ids = torch.cat([anchor[:, None], anchor.new_full((N, B - 1), self.config.mask_token_id)], dim=1)
+        h = self.target.embed(ids).to(self.dtype)  # (N, B, d): the target's frozen embedding
+        meta = ctx.meta(B, kv_len)
+        cos, sin = rope_cos_sin(meta.positions, self.config.head_dim, self.config.rope_theta, h.dtype)
+        for i, layer in enumerate(self.drafter.layers):
+            # the layer's own sub-layer wiring (norm, DFlash2 pre/post conv, residual), our attention inside
+            h = layer._sublayer(
+                h,
+                layer.input_layernorm,
+                layer.attention_conv,
+                lambda x, layer=layer, i=i: self._attention(layer.self_attn, x, cos, sin, ctx.kv, i, meta),
+            )
+            h = layer._sublayer(h, layer.post_attention_layernorm, layer.mlp_conv, layer.mlp)
+        return self.drafter.norm(h)
+
+    @torch.no_grad()
+    def propose(
+        self,
+        ctx: DraftContext,
+        anchor: torch.Tensor,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+        *,
+        kv_len: int | None = None,
+        argmax_drafts: bool = False,
+    ) -> Proposal:
+        """B-1 drafts per row after ``anchor`` (N,), and at T>0 the distribution they were drawn from.
+
+        T=0 (or argmax_drafts): argmax of the drafter logits, or the selector's greedy path (at T>0 as a
+        point mass). T>0: the selector's sampled path (sparse q over its k candidates; temperature only,
+        as in the reference: any exact q is lossless), else a draw from warp_probs(logits) (dense q).
+        """
+        h = self.hidden(ctx, anchor, kv_len)[:, 1:]  # (N, P, d): slot k predicts the token at lengths + k
+        logits = self.target.lm_head(h.to(self.target.lm_head.weight.dtype)).float()  # (N, P, V)
+        selector = self.drafter.candidate_selector
+        if params.greedy or argmax_drafts:
+            tokens = selector.greedy_path(h, logits, anchor) if selector is not None else logits.argmax(-1)
+            return Proposal(tokens) if params.greedy else Proposal.point_mass(tokens)
+        if selector is not None:
+            return selector_sample_sparse(selector, h, logits, anchor, params.temperature, generator)
+        q = warp_probs(logits, params)  # (N, P, V): the same warp as the target's p
+        return Proposal(sample(q, generator), dense=q)

@@ -1,0 +1,132 @@
+"""Proposals and T>0 acceptance on the runtime's path (docs/ARCHITECTURE.md §4).
+
+Lossless rejection sampling needs q_i(x), the distribution draft i was drawn from.
+The reference decoder always passes q as a dense (N, P, V) fp32 tensor; most drafts
+never need one:
+
+* argmax drafts (T=0 drafting under T>0 verification) have a point mass: one id, prob 1;
+* the DFlash2 selector samples among its k candidates: k ids and their probabilities;
+* only a drafter sampling the full warped vocabulary has a dense q.
+
+:class:`Proposal` carries q in whichever of these forms the drafter produced, and
+:func:`rejection_accept_proposal` is the reference ``rejection_accept`` for all of
+them: the same random draws in the same order and the same float operations, so for
+one generator state it returns exactly what the reference returns on the densified q.
+Nothing here reads back to the host: :func:`sample` is ``torch.multinomial``'s draw
+without its validation sync.
+
+Shapes: N rows, P = B-1 drafted positions, k candidates per position, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Proposal:
+    """The drafts of one step and, at T>0, the exact distribution each was drawn from.
+
+    tokens: (N, P) long drafts.
+    ids, probs: (N, P, k) long / fp32, sparse q: q[n, i] puts probs[n, i, j] on ids[n, i, j] and zero
+        elsewhere (ids distinct within a position). Point mass: k = 1, probs 1.
+    dense: (N, P, V) fp32 q, only when the drafter sampled the full vocabulary.
+    All three None: greedy drafts at T=0 (acceptance needs no q).
+    """
+
+    tokens: torch.Tensor
+    ids: torch.Tensor | None = None
+    probs: torch.Tensor | None = None
+    dense: torch.Tensor | None = None
+
+    @classmethod
+    def point_mass(cls, tokens: torch.Tensor) -> Proposal:
+        """Deterministic drafts (N, P) as a sparse q of one id with probability 1."""
+        return cls(tokens, tokens[..., None], torch.ones(*tokens.shape, 1, device=tokens.device))
+
+    def densify(self, vocab_size: int) -> torch.Tensor:
+        """q as (N, P, V) fp32 (for tests and the reference path); greedy drafts give their point mass."""
+        if self.dense is not None:
+            return self.dense
+        sparse = self if self.ids is not None else Proposal.point_mass(self.tokens)
+        out = torch.zeros(*sparse.ids.shape[:-1], vocab_size, dtype=torch.float32, device=self.tokens.device)
+        return out.scatter_(-1, sparse.ids, sparse.probs.float())
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """probs (..., V) -> tokens (...) long, one draw per row, with no host sync.
+
+    ``torch.multinomial(probs, 1)`` draws argmax(probs / E) with E ~ Exp(1) i.i.d. (the exponential
+    race, P(argmax = x) = probs[x] / Σ probs), but first reads max/min/sum of probs back to the host
+    to validate them: a sync per call. This is the same computation without the validation, hence
+    the same draw for the same generator state (tests check it against the reference ``sample``).
+    """
+    race = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / race).argmax(-1)
+
+
+def rejection_accept_proposal(
+    p: torch.Tensor, proposal: Proposal, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """T>0 lossless acceptance of a batch (the math of ``decoding.sampling.rejection_accept``).
+
+    p (N, P+1, V) warped target probabilities at the verify positions; proposal: drafts (N, P) and
+    their q, sparse (ids, probs), dense, or none (argmax drafts: a point mass). Returns
+    (num_accepted (N,) long in [0, P], next_token (N,) long): accept d_i with probability
+    min(1, p_i(d_i) / q_i(d_i)); at the first rejection draw from norm(max(0, p_i − q_i)); after a
+    full accept draw the bonus from p_P. A sparse q is subtracted at its k ids only, never densified.
+    Same random draws in the same order and the same float operations as the reference, so for one
+    generator state the result is the reference's on the densified q; no host sync.
+    """
+    if proposal.dense is None and proposal.ids is None:
+        proposal = Proposal.point_mass(proposal.tokens)
+    drafts, q = proposal.tokens, proposal.dense
+    P, V = drafts.shape[-1], p.shape[-1]
+    px = p[..., :P, :].gather(-1, drafts[..., None])[..., 0]  # (N, P) p_i(d_i)
+    if q is not None:
+        qx = q.gather(-1, drafts[..., None])[..., 0]  # (N, P) q_i(d_i)
+    else:
+        qx = (proposal.probs.float() * (proposal.ids == drafts[..., None])).sum(-1)  # exactly one id matches
+    u = torch.rand(px.shape, generator=generator, device=p.device, dtype=torch.float32)
+    a = (u * qx < px).long().cumprod(dim=-1).sum(dim=-1)  # (N,) accepted prefix
+    p_a = p.float().gather(-2, a[:, None, None].expand(-1, 1, V))[:, 0]  # (N, V)
+    # q at position a; after a full accept (a == P) q is zero there and the residual is p_P itself
+    at, keep = a.clamp(max=max(P - 1, 0))[:, None, None], (a < P)[:, None]
+    if q is not None:
+        resid = p_a - q.float().gather(-2, at.expand(-1, 1, V))[:, 0] * keep
+    else:
+        k = proposal.ids.shape[-1]
+        ids_a = proposal.ids.gather(-2, at.expand(-1, 1, k))[:, 0]  # (N, k)
+        probs_a = proposal.probs.float().gather(-2, at.expand(-1, 1, k))[:, 0] * keep
+        resid = p_a.scatter_add(-1, ids_a, -probs_a)  # p_a − q_a: only k entries change
+    resid = resid.clamp_min(0.0)
+    mass = resid.sum(-1, keepdim=True)
+    # mass == 0 only when p_a == q_a, where a rejection has probability 0 (rounding): fall back to p
+    resid = torch.where(mass > 0, resid / mass.clamp_min(1e-30), p_a)
+    return a, sample(resid, generator)
+
+
+@torch.no_grad()
+def selector_sample_sparse(
+    selector, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor, temperature: float, generator=None
+) -> Proposal:
+    """The DFlash2 selector's T>0 path with q kept sparse over its k candidates.
+
+    hidden (N, P, d), logits (N, P, V) fp32, anchor_ids (N,). Same draws in the same order as
+    ``CandidateSelector.sample_path`` (position by position from softmax(edge scores / T) given the
+    sampled predecessor), whose dense q is this proposal's ``densify``.
+    """
+    cand_ids, unary = selector.candidates(logits)  # (N, P, k) each
+    pred, tokens, probs = anchor_ids, [], []
+    for pos in range(cand_ids.shape[1]):
+        sl = slice(pos, pos + 1)
+        scores = selector.edge_scores(hidden[:, sl], pred[:, None], cand_ids[:, sl], unary[:, sl])[:, 0]  # (N, k)
+        prob = F.softmax(scores / temperature, dim=-1)
+        pick = sample(prob, generator)  # (N,): torch.multinomial's draw, without its sync
+        pred = cand_ids[:, pos].gather(-1, pick[:, None])[:, 0]
+        tokens.append(pred)
+        probs.append(prob)
+    return Proposal(torch.stack(tokens, 1), cand_ids, torch.stack(probs, 1))

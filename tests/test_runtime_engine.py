@@ -1,0 +1,213 @@
+"""The runtime's decoding loops at T=0 (dflash2.runtime.engine): lossless, batched, ragged.
+
+For random Qwen3, Llama and Qwen3.5-hybrid targets (fp32, CPU) the runtime's AR decode
+and its speculative decode with random drafters (v1 at B=4, DFlash2 with a non-trivial
+conv and selector at B=8 and 16) must emit exactly HF's greedy tokens, at batch 1 and
+for a ragged batch of 4 prompts of different lengths, with a token budget that is not
+a multiple of B. Scripted drafters force what random drafters rarely do: an oracle
+(every draft accepted, τ = B), a wrong one (none) and partial ones (a random count per
+step), all in one batch where every row advances by its own count in the same step;
+EOS inside an accepted block; budgets that cut a block.
+"""
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import RUNTIME_KINDS, nontrivial_dflash2, spec_drafter
+
+from dflash2.decoding import greedy_generate
+from dflash2.errors import DFlash2Error
+from dflash2.runtime import load_model
+from dflash2.runtime.drafter import RuntimeDrafter
+from dflash2.runtime.engine import generate_ar, generate_spec
+from dflash2.runtime.sampling import Proposal
+
+TAPS = [0, 1]
+N_NEW = 45  # not a multiple of 4, 8 or 16: the last step is cut by the budget
+
+
+def _prompt(length, seed):
+    return torch.randint(0, 100, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+PROMPTS = [_prompt(7, 1), _prompt(12, 2), _prompt(3, 3), _prompt(9, 4)]  # ragged
+
+
+@pytest.fixture(scope="module")
+def runtimes(hf_targets):
+    """{kind: (reference TargetModel, runtime model, [prompt + HF greedy continuation of N_NEW + 32])}."""
+    from dflash2.target import TargetModel
+
+    out = {}
+    for kind in RUNTIME_KINDS:
+        hf, folder = hf_targets[kind]
+        target = TargetModel(hf, target_layer_ids=TAPS)
+        gen = greedy_generate(target, PROMPTS, N_NEW + 32)
+        out[kind] = (target, load_model(folder, target_layer_ids=TAPS), [p + g for p, g in zip(PROMPTS, gen)])
+    return out
+
+
+def _expected(full, prompts, n, eos=None):
+    out = [f[len(p) :][:n] for f, p in zip(full, prompts)]
+    return [e[: e.index(eos) + 1] if eos in e else e for e in out]
+
+
+def _check_steps(res, block_size):
+    """Every step emits accepted + 1 tokens except a last one cut by EOS / the budget."""
+    for acc, seq in zip(res.accepted, res.sequences):
+        assert all(0 <= a < block_size for a in acc)
+        assert 1 + sum(a + 1 for a in acc[:-1]) < len(seq) <= 1 + sum(a + 1 for a in acc) or not acc
+
+
+class ScriptedProposer:
+    """The runtime drafter interface, drafting from a known continuation (no model).
+
+    mode per row: 'oracle' drafts the greedy continuation (all accepted), 'wrong' a different
+    token everywhere (none accepted), 'partial' is right for none, all or a random
+    0..B-1 positions. It checks
+    the engine's bookkeeping on the way: the anchor is the true token at the row's context length.
+    """
+
+    def __init__(self, full, modes, block_size, vocab, seed=0):
+        self.full, self.modes, self.block_size, self.vocab = full, modes, block_size, vocab
+        self.rng = random.Random(seed)
+
+    def new_context(self, batch_size, max_len):
+        return SimpleNamespace(taps=None, lengths=torch.zeros(batch_size, dtype=torch.long))
+
+    def append(self, ctx, taps, n):
+        ctx.lengths += n
+
+    def propose(self, ctx, anchor, params, generator=None, *, kv_len=None, argmax_drafts=False):
+        rows = []
+        for r, (a, pos) in enumerate(zip(anchor.tolist(), ctx.lengths.tolist())):
+            assert a == self.full[r][pos], f"row {r}: anchor {a} is not the token at position {pos}"
+            truth = self.full[r][pos + 1 : pos + self.block_size]
+            truth += [0] * (self.block_size - 1 - len(truth))  # past the reference: finished rows only
+            # partial: none, all or a random count right, so short runs still see both extremes
+            partial = self.rng.choice((0, self.block_size, self.rng.randrange(self.block_size)))
+            right = {"oracle": self.block_size, "wrong": 0}.get(self.modes[r], partial)
+            rows.append([t if i < right else (t + 1) % self.vocab for i, t in enumerate(truth)])
+        return Proposal(torch.tensor(rows))
+
+
+@pytest.mark.parametrize("kind", RUNTIME_KINDS)
+def test_ar_decode_equals_hf_greedy(runtimes, kind):
+    _, model, full = runtimes[kind]
+    assert generate_ar(model, PROMPTS[:1], N_NEW) == _expected(full[:1], PROMPTS[:1], N_NEW)
+    assert generate_ar(model, PROMPTS, N_NEW) == _expected(full, PROMPTS, N_NEW)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("block_size", [4, 8, 16])
+@pytest.mark.parametrize("kind", RUNTIME_KINDS)
+def test_spec_with_random_drafters_equals_hf_greedy(runtimes, kind, block_size, batch):
+    """v1 drafter at B=4, DFlash2 (conv + selector off their init) at 8 and 16."""
+    target, model, full = runtimes[kind]
+    v2 = block_size > 4
+    drafter = spec_drafter(target, block_size, v2=v2, seed=2)
+    drafter = nontrivial_dflash2(drafter) if v2 else drafter
+    res = generate_spec(model, RuntimeDrafter(drafter, model), PROMPTS[:batch], N_NEW)
+    assert res.sequences == _expected(full[:batch], PROMPTS[:batch], N_NEW)
+    assert res.block_size == block_size
+    _check_steps(res, block_size)
+
+
+@pytest.mark.parametrize("block_size", [4, 8, 16])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_scripted_drafters_ragged_acceptance_in_one_batch(runtimes, kind, block_size):
+    """Four rows accept different counts in the same steps: oracle (τ = B), partial ×2, wrong (τ = 1)."""
+    _, model, full = runtimes[kind]
+    modes = ["oracle", "partial", "wrong", "partial"]
+    proposer = ScriptedProposer(full, modes, block_size, model.vocab_size)
+    res = generate_spec(model, proposer, PROMPTS, N_NEW)
+    assert res.sequences == _expected(full, PROMPTS, N_NEW)
+    _check_steps(res, block_size)
+    oracle, partial, wrong, partial2 = res.accepted
+    assert oracle == [block_size - 1] * -(-(N_NEW - 1) // block_size)  # the prefill token + B per step
+    assert wrong == [0] * (N_NEW - 1)
+    assert {0, block_size - 1} <= set(partial + partial2)
+    assert len(set(partial + partial2)) >= min(block_size, 4)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_eos_inside_a_block_stops_that_row_only(runtimes, kind):
+    """EOS = a greedy token of row 0 in the middle of a block the oracle gets fully accepted."""
+    target, model, full = runtimes[kind]
+    B = 8
+    gen = full[0][len(PROMPTS[0]) :]
+    k = max(k for k in range(2, N_NEW - 2) if gen[k] not in gen[:k] and k % B != 0)  # mid-block, first time
+    eos = gen[k]
+    expected = _expected(full, PROMPTS, N_NEW, eos)
+    assert len(expected[0]) == k + 1
+    assert generate_ar(model, PROMPTS, N_NEW, eos_token_id=eos) == expected
+    proposer = ScriptedProposer(full, ["oracle", "partial", "oracle", "wrong"], B, model.vocab_size)
+    res = generate_spec(model, proposer, PROMPTS, N_NEW, eos_token_id=[eos])
+    assert res.sequences == expected
+    assert res.accepted[0][-1] == B - 1 and res.steps[0] == -(-k // B)  # a full block, cut after EOS
+    drafter = RuntimeDrafter(nontrivial_dflash2(spec_drafter(target, B, v2=True, seed=5)), model)
+    assert generate_spec(model, drafter, PROMPTS, N_NEW, eos_token_id=eos).sequences == expected
+
+
+def test_budget_cuts_and_first_token_eos(runtimes):
+    _, model, full = runtimes["qwen3"]
+    gen = full[0][len(PROMPTS[0]) :]
+    for n in (0, 1, 2, 13):
+        proposer = ScriptedProposer(full[:1], ["oracle"], 8, model.vocab_size)
+        res = generate_spec(model, proposer, PROMPTS[:1], n)
+        assert res.sequences == [gen[:n]] and generate_ar(model, PROMPTS[:1], n) == [gen[:n]]
+        assert res.steps == [max(0, -(-(n - 1) // 8))]  # the first token comes from the prefill
+    proposer = ScriptedProposer(full, ["oracle"] * 4, 8, model.vocab_size)
+    first = generate_spec(model, proposer, PROMPTS, 20, eos_token_id=gen[0])
+    assert first.sequences[0] == [gen[0]] and first.steps[0] == 0  # row 0 stops at its prefill token
+    assert first.sequences[1:] == _expected(full[1:], PROMPTS[1:], 20, gen[0])
+
+
+def test_tensor_prompts_and_bad_inputs(runtimes):
+    target, model, full = runtimes["qwen3"]
+    drafter = RuntimeDrafter(spec_drafter(target, 4), model)
+    ids = torch.tensor([PROMPTS[0], PROMPTS[0]])  # (N, P) tensor
+    res = generate_spec(model, drafter, ids, 5)
+    assert res.sequences == [full[0][7:12]] * 2
+    assert generate_spec(model, drafter.drafter, ids, 5).sequences == res.sequences  # a DFlashDrafter is wrapped
+    with pytest.raises(DFlash2Error, match="empty"):
+        generate_spec(model, drafter, [[1, 2], []], 5)
+    with pytest.raises(DFlash2Error, match="no prompts"):
+        generate_ar(model, [], 5)
+    with pytest.raises(DFlash2Error, match="max_new_tokens"):
+        generate_ar(model, ids, -1)
+    with pytest.raises(DFlash2Error, match="temperature"):
+        generate_spec(model, drafter, ids, 5, temperature=-1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_one_host_sync_per_step_on_the_gpu(runtimes, hf_targets, monkeypatch, temperature):
+    """Between two polls of the loop condition, nothing may synchronise with the host: CUDA's sync
+    debug mode raises on any synchronising call (item(), tolist(), nonzero, ...) while a step runs."""
+    import dflash2.runtime.engine as engine
+
+    target, _, full = runtimes["qwen3_5"]
+    model = load_model(hf_targets["qwen3_5"][1], device="cuda", target_layer_ids=TAPS)
+    drafter = RuntimeDrafter(nontrivial_dflash2(spec_drafter(target, 8, v2=True, seed=2)).cuda(), model)
+    polls, poll = [], engine._poll
+
+    def strict_poll(active, lengths):
+        torch.cuda.set_sync_debug_mode(0)  # the one read of the step
+        out = poll(active, lengths)
+        polls.append(out)
+        if out[0]:
+            torch.cuda.set_sync_debug_mode("error")  # the whole next step must run without another
+        return out
+
+    monkeypatch.setattr(engine, "_poll", strict_poll)
+    try:
+        res = generate_spec(model, drafter, PROMPTS, 30, temperature=temperature)
+        ar = generate_ar(model, PROMPTS, 30, temperature=temperature)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(polls) == max(res.steps) + 1 + 30  # spec steps + the final poll, AR: 29 steps + 1
+    if temperature == 0:
+        assert res.sequences == ar == _expected(full, PROMPTS, 30)
