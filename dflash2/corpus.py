@@ -6,10 +6,12 @@ so nothing has to be downloaded. Extra folders (``kind: dir``) and HF datasets
 (``kind: hf``: local json/jsonl/parquet/txt, or a hub id when online) can be
 added in ``data.sources``.
 
-Every document has a stable ``key``; ``split_of(key)`` hashes it into train /
-validation / heldout. The split therefore depends on nothing but the key: it is
-the same on every machine and in every process, and adding or removing other
-files never moves a document from one split to another.
+Every document has a stable ``key``. Near-duplicate documents (generated
+families such as the ``encodings/cp*.py`` codecs, copied files) are grouped
+into clusters by content (:mod:`dflash2.near_duplicates`), and a whole cluster
+goes to the split that ``split_of`` gives its smallest key: train, validation
+or heldout. So no held-out document has a near-copy in train, and the split is
+the same on every machine and in every process (docs/CORPUS.md).
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from tqdm.auto import tqdm
 
+from dflash2 import near_duplicates
 from dflash2.errors import DFlash2Error
 
 SPLITS = ("train", "validation", "heldout")
@@ -49,7 +53,16 @@ _SOURCE_DEFAULTS = {
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _HF_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 _PROGRESS_MIN_ITEMS = 200  # below this a progress bar is only noise
-_FINGERPRINT_VERSION = 1  # bump when the way documents are read changes
+_FINGERPRINT_VERSION = 2  # bump when the way documents are read or split changes (2: near-duplicate clusters)
+# Documents whose estimated shingle similarity exceeds this share a split (docs/CORPUS.md: the measured
+# similarity distributions of the stdlib, and why 0.5).
+NEAR_DUPLICATE_THRESHOLD = 0.5
+# Recorded with every drafter (data split settings); change it when the split rule changes.
+SPLIT_RULE = "near-duplicate clusters (MinHash of 8-byte shingles) by sha256 of the smallest key"
+# In-process caches: clustering the stdlib reads 31 MB and hashes ~30 M shingles (about a second),
+# and one run asks for its splits several times (target build, regeneration, prompts).
+_SIGNATURES: dict[bytes, np.ndarray] = {}  # sha1 of a document's text -> its MinHash signature
+_CLUSTERS: dict[str, dict[str, str]] = {}  # digest of (threshold, keys, contents) -> {key: cluster root key}
 
 
 @dataclass(frozen=True)
@@ -67,7 +80,10 @@ class Document:
 
 
 def split_of(key: str, validation_fraction: float = 0.02, heldout_fraction: float = 0.02) -> str:
-    """The split of ``key``: sha256(key) as a uniform u in [0, 1).
+    """The split that ``key`` hashes to: sha256(key) as a uniform u in [0, 1).
+
+    A document's split is that of its near-duplicate cluster's smallest key
+    (:func:`document_splits`), which is its own key when it has no near-duplicate.
 
     ``u < heldout_fraction`` is heldout, ``u < heldout + validation`` is
     validation, the rest is train. sha256 rather than ``hash()`` because Python
@@ -117,6 +133,7 @@ def iter_documents(
     *,
     validation_fraction: float = 0.02,
     heldout_fraction: float = 0.02,
+    near_duplicate_threshold: float = NEAR_DUPLICATE_THRESHOLD,
     max_file_bytes: int = 1_000_000,
     max_documents: int | None = None,
 ) -> Iterator[Document]:
@@ -126,16 +143,18 @@ def iter_documents(
     with a ``kind`` in :data:`KINDS`; see docs/CORPUS.md. Files (and HF rows)
     that are empty or larger than ``max_file_bytes`` are skipped. Documents
     come source by source, each source in key order; ``max_documents`` stops
-    after that many documents of the split.
+    after that many documents of the split. Asking for one split reads every
+    document once first, to find the near-duplicate clusters (cached per process).
     """
-    _check_split_args(split, validation_fraction, heldout_fraction)
-
-    def wanted(key: str) -> bool:
-        return split is None or split_of(key, validation_fraction, heldout_fraction) == split
-
+    _check_split_args(split, validation_fraction, heldout_fraction, near_duplicate_threshold)
     specs = _normalize_sources(sources)  # validate every source before reading any
     if max_documents is not None and max_documents <= 0:
         return
+    roots = {} if split is None else _cluster_roots(specs, near_duplicate_threshold, max_file_bytes)
+
+    def wanted(key: str) -> bool:
+        return split is None or split_of(roots.get(key, key), validation_fraction, heldout_fraction) == split
+
     count = 0
     for spec in specs:
         reader = _hf_documents if spec["kind"] == "hf" else _file_documents
@@ -152,6 +171,7 @@ def load_documents(
     *,
     validation_fraction: float = 0.02,
     heldout_fraction: float = 0.02,
+    near_duplicate_threshold: float = NEAR_DUPLICATE_THRESHOLD,
     max_file_bytes: int = 1_000_000,
     max_documents: int | None = None,
 ) -> list[Document]:
@@ -161,10 +181,59 @@ def load_documents(
         split,
         validation_fraction=validation_fraction,
         heldout_fraction=heldout_fraction,
+        near_duplicate_threshold=near_duplicate_threshold,
         max_file_bytes=max_file_bytes,
         max_documents=max_documents,
     )
     return sorted(docs, key=lambda d: d.key)
+
+
+def resolved_sources(sources) -> list[dict]:
+    """``sources`` validated, with defaults filled and folders as absolute paths, as JSON-able dicts."""
+    return [
+        {k: (str(v) if k == "path" and v is not None else v) for k, v in spec.items()}
+        for spec in _normalize_sources(sources)
+    ]
+
+
+def source_files(source: Mapping) -> list[tuple[str, Path]]:
+    """(key, path) of every file a stdlib or dir source would read, sorted by key, without reading them."""
+    (spec,) = _normalize_sources([source])
+    if spec["kind"] == "hf":
+        raise DFlash2Error("source_files lists the files of stdlib and dir sources; an hf source has rows, not files")
+    return _list_files(spec)
+
+
+def split_kwargs(data: Mapping) -> dict:
+    """The split settings of a ``data`` config (a plain mapping), as keyword arguments of the
+    functions here; a config written before near-duplicate grouping gets the default threshold."""
+    return {
+        "validation_fraction": float(data["validation_fraction"]),
+        "heldout_fraction": float(data["heldout_fraction"]),
+        "near_duplicate_threshold": float(data.get("near_duplicate_threshold", NEAR_DUPLICATE_THRESHOLD)),
+    }
+
+
+def cluster_keys(
+    sources, *, near_duplicate_threshold: float = NEAR_DUPLICATE_THRESHOLD, max_file_bytes: int = 1_000_000
+) -> dict[str, str]:
+    """{key: the smallest key of its near-duplicate cluster} for every document of ``sources``."""
+    _check_split_args(None, 0.0, 0.0, near_duplicate_threshold)
+    return dict(_cluster_roots(_normalize_sources(sources), near_duplicate_threshold, max_file_bytes))
+
+
+def document_splits(
+    sources,
+    *,
+    validation_fraction: float = 0.02,
+    heldout_fraction: float = 0.02,
+    near_duplicate_threshold: float = NEAR_DUPLICATE_THRESHOLD,
+    max_file_bytes: int = 1_000_000,
+) -> dict[str, str]:
+    """{key: split} for every document of ``sources``: the split of its cluster's smallest key."""
+    _check_split_args(None, validation_fraction, heldout_fraction, near_duplicate_threshold)
+    roots = cluster_keys(sources, near_duplicate_threshold=near_duplicate_threshold, max_file_bytes=max_file_bytes)
+    return {key: split_of(root, validation_fraction, heldout_fraction) for key, root in roots.items()}
 
 
 def corpus_fingerprint(
@@ -173,6 +242,7 @@ def corpus_fingerprint(
     *,
     validation_fraction: float = 0.02,
     heldout_fraction: float = 0.02,
+    near_duplicate_threshold: float = NEAR_DUPLICATE_THRESHOLD,
     max_file_bytes: int = 1_000_000,
     max_documents: int | None = None,
 ) -> str:
@@ -184,13 +254,14 @@ def corpus_fingerprint(
     fingerprint; an edit that keeps a file's size does not. A hub dataset is
     identified by its id and split only (its revision is unknown offline).
     """
-    _check_split_args(split, validation_fraction, heldout_fraction)
+    _check_split_args(split, validation_fraction, heldout_fraction, near_duplicate_threshold)
     h = hashlib.sha256()
     settings = {
         "version": _FINGERPRINT_VERSION,
         "split": split,
         "validation_fraction": validation_fraction,
         "heldout_fraction": heldout_fraction,
+        "near_duplicate_threshold": near_duplicate_threshold,
         "max_file_bytes": max_file_bytes,
         "max_documents": max_documents,
     }
@@ -219,7 +290,7 @@ def _fingerprint_files(spec: dict) -> list[tuple[str, Path]]:
 # sources
 
 
-def _check_split_args(split, validation_fraction, heldout_fraction) -> None:
+def _check_split_args(split, validation_fraction, heldout_fraction, near_duplicate_threshold) -> None:
     if split is not None and split not in SPLITS:
         raise DFlash2Error(f"unknown split {split!r}; use one of {', '.join(SPLITS)} (or None for all)")
     if not (validation_fraction >= 0 and heldout_fraction >= 0 and validation_fraction + heldout_fraction < 1):
@@ -227,6 +298,49 @@ def _check_split_args(split, validation_fraction, heldout_fraction) -> None:
             f"split fractions validation={validation_fraction}, heldout={heldout_fraction} "
             "must be >= 0 and sum to less than 1; fix data.validation_fraction / data.heldout_fraction"
         )
+    if not 0 < near_duplicate_threshold <= 1:
+        raise DFlash2Error(
+            f"data.near_duplicate_threshold={near_duplicate_threshold} must be in (0, 1] "
+            f"(the default {NEAR_DUPLICATE_THRESHOLD}; 1 turns near-duplicate grouping off)"
+        )
+
+
+# ----------------------------------------------------------------------------
+# near-duplicate clusters
+
+
+def document_signature(text: str) -> np.ndarray:
+    """The MinHash signature of a document's text (:mod:`dflash2.near_duplicates`), cached by content."""
+    return _SIGNATURES[_signature_digest(text)]
+
+
+def _signature_digest(text: str) -> bytes:
+    """sha1 of ``text``, with its signature computed into the cache if it is not there yet."""
+    digest = hashlib.sha1(text.encode("utf-8", "replace")).digest()
+    if digest not in _SIGNATURES:
+        _SIGNATURES[digest] = near_duplicates.signature(text)
+    return digest
+
+
+def _cluster_roots(specs: list[dict], threshold: float, max_file_bytes: int) -> dict[str, str]:
+    """{key: cluster root key} over every document of ``specs`` (normalized), cached per content."""
+    keys, digests = [], []
+    for spec in specs:
+        reader = _hf_documents if spec["kind"] == "hf" else _file_documents
+        for doc in reader(spec, lambda key: True, max_file_bytes):
+            keys.append(doc.key)
+            digests.append(_signature_digest(doc.text))
+    cache_key = hashlib.sha256(repr((threshold, keys)).encode() + b"".join(digests)).hexdigest()
+    if cache_key not in _CLUSTERS:
+        empty = np.empty((0, near_duplicates.NUM_PERM), np.uint32)
+        sigs = np.stack([_SIGNATURES[d] for d in digests]) if digests else empty
+        roots = near_duplicates.cluster_roots(len(keys), near_duplicates.linked_pairs(sigs, threshold))
+        # The root is the cluster's smallest index; keys are listed source by source, so take the smallest key.
+        smallest: dict[int, str] = {}
+        for key, root in zip(keys, roots.tolist()):
+            smallest[root] = min(smallest.get(root, key), key)
+        _CLUSTERS[cache_key] = {key: smallest[root] for key, root in zip(keys, roots.tolist())}
+    return _CLUSTERS[cache_key]
 
 
 def _normalize_sources(sources) -> list[dict]:
@@ -450,3 +564,9 @@ def _hf_documents(spec: dict, wanted: Callable[[str], bool], max_file_bytes: int
                     continue
                 seen.add(key)
                 yield Document(key=key, text=text, source="hf")
+
+
+if __name__ == "__main__":  # python -m dflash2.corpus report ...
+    from dflash2.corpus_report import main
+
+    main()

@@ -29,6 +29,7 @@ The target is read as a config only (``transformers.AutoConfig``, no weights), f
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 from dataclasses import dataclass, field
@@ -38,9 +39,12 @@ import torch
 
 from dflash2.drafter.config import DrafterConfig
 from dflash2.errors import DFlash2Error
+from dflash2.logging_setup import configure_console_logging
 from dflash2.safe_load import UnsafeFileError, load_torch_file
 from dflash2.target_dtype import resolve_target_dtype
 from dflash2.text_model import config_field, rope_theta, text_config
+
+log = logging.getLogger(__spec__.name if __spec__ else __name__)  # dflash2.export under `python -m` too
 
 FORMATS = ("auto", "dflash", "dflash2")
 ARCHITECTURE = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
@@ -577,6 +581,7 @@ def parse_args(argv: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    configure_console_logging()
     if any(a in ("-h", "--help", "help") for a in argv):
         print(USAGE.strip() + "\n\n" + "\n\n".join(__doc__.split("\n\n")[2:4]))
         return 0
@@ -592,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     except DFlash2Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"[dflash2] exported drafter to {out} (model card: {out / 'README.md'})")
+    log.info(f"exported drafter to {out} (model card: {out / 'README.md'})")
     return 0
 
 

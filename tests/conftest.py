@@ -5,6 +5,7 @@ repeatable; session-scoped fixtures build the micro models once.
 """
 
 import os
+import random
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -37,6 +38,34 @@ def subprocess_env(**extra: str) -> dict[str, str]:
         "MKL_NUM_THREADS": "1",
         **extra,
     }
+
+
+def write_near_copy_families(root: Path, families: int = 30, copies: int = 4) -> list[list[str]]:
+    """Families of near-copies (one line in ten rewritten) under unrelated names, plus 100 unrelated
+    files, in a `dir` corpus named "fam" (tests of the near-duplicate split); returns each family's keys."""
+    rng = random.Random(0)
+
+    def word() -> str:
+        return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(8))
+
+    keys = []
+    for _ in range(families):
+        base = [f"def {word()}(x):\n    return x * {rng.randint(2, 10**6)} + {word()}" for _ in range(30)]
+        family = []
+        for _ in range(copies):
+            lines = [word() + " = 0" if rng.random() < 0.1 else line for line in base]
+            name = f"{word()}/{word()}.py"  # the name tells nothing about the family
+            _write_text(root / name, "\n".join(lines) + "\n")
+            family.append(f"dir:fam:{name}")
+        keys.append(family)
+    for i in range(100):  # unrelated documents
+        _write_text(root / f"solo/{word()}.py", "\n".join(f"{word()} = '{word()}{i}'" for _ in range(20)) + "\n")
+    return keys
+
+
+def _write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
 
 
 class _RunsOnLoad:

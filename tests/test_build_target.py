@@ -4,6 +4,7 @@ and a build SIGKILLed mid-pretraining resumes to the same weights (issue 6)."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import signal
 import subprocess
@@ -143,7 +144,7 @@ def assert_same_target(reference: Path, built: Path):
     assert info_a["heldout_cross_entropy"] == info_b["heldout_cross_entropy"]
 
 
-def test_sigkilled_build_resumes_to_the_weights_of_an_uninterrupted_build(tmp_path, request, capsys):
+def test_sigkilled_build_resumes_to_the_weights_of_an_uninterrupted_build(tmp_path, request, caplog):
     cache = tmp_path / "cache"
     overrides = [*EIGHT_STEPS, *EVERY, f"paths.output_dir={tmp_path / 'killed'}", f"paths.cache_dir={cache}"]
     final = cache / "targets" / f"tiny-{target_cache_key(compose_cfg(overrides))}"
@@ -166,16 +167,16 @@ def test_sigkilled_build_resumes_to_the_weights_of_an_uninterrupted_build(tmp_pa
             proc.kill()
             proc.wait()
     assert proc.returncode == -signal.SIGKILL, log.read_text()[-3000:]
-    assert "[dflash2] resuming" not in log.read_text()
+    assert "[dflash2] building target 'tiny'" in log.read_text()  # train.py's console shows our lines ...
+    assert "[dflash2] resuming" not in log.read_text()  # ... and this one is not among them: a fresh build
     assert not final.exists()
     assert sorted(p.name for p in work.iterdir()) == ["last.ckpt", "tokenizer.json"]  # no temp file left
     assert torch.load(work / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 4
 
     # The same build again (in-process): it resumes from step 4 and publishes the target.
-    capsys.readouterr()
+    caplog.set_level(logging.INFO, logger="dflash2")
     build8(tmp_path, "resumed", cache, *EVERY)
-    printed = capsys.readouterr().out
-    assert f"[dflash2] resuming target build from step 4 ({work / 'last.ckpt'})" in printed.splitlines()
+    assert f"resuming target build from step 4 ({work / 'last.ckpt'})" in caplog.messages
     assert final.is_dir() and not work.exists()
 
     # Bitwise the weights and tokenizer of the uninterrupted build (the checkpoint interval is not in the key).
@@ -184,7 +185,7 @@ def test_sigkilled_build_resumes_to_the_weights_of_an_uninterrupted_build(tmp_pa
 
 
 def test_build_resumed_early_in_its_epoch_sees_the_remaining_batches_in_order(
-    tmp_path, reference8, monkeypatch, capsys
+    tmp_path, reference8, monkeypatch, caplog
 ):
     """Resumed at step 2 of 8, more batches remain (6) than were done (2): Lightning then ends the resumed
     "epoch" after 4 batches and iterates the loader again, which must continue at step 6, not repeat
@@ -210,14 +211,14 @@ def test_build_resumed_early_in_its_epoch_sees_the_remaining_batches_in_order(
         and torch.load(work / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 2
     )
 
-    capsys.readouterr()
+    caplog.set_level(logging.INFO, logger="dflash2")
     build8(tmp_path, "resumed", tmp_path / "cache", *EVERY)
-    assert f"[dflash2] resuming target build from step 2 ({work / 'last.ckpt'})" in capsys.readouterr().out.splitlines()
+    assert f"resuming target build from step 2 ({work / 'last.ckpt'})" in caplog.messages
     assert not work.exists()
     assert_same_target(reference, tmp_path / "resumed" / "target")
 
 
-def test_a_second_build_of_the_same_target_waits_for_the_first_and_reuses_it(tmp_path, reference8, monkeypatch, capsys):
+def test_a_second_build_of_the_same_target_waits_for_the_first_and_reuses_it(tmp_path, reference8, monkeypatch, caplog):
     """Builds of one target share its work folder, so `ensure_target` lets one process build at a time."""
     import fcntl
     import threading
@@ -233,6 +234,7 @@ def test_a_second_build_of_the_same_target_waits_for_the_first_and_reuses_it(tmp
 
     monkeypatch.setattr(bt, "build_embedded_target", must_not_build)
     result = {}
+    caplog.set_level(logging.INFO, logger="dflash2")
     with open(final.parent / f".{final.name}.lock", "a") as lock:  # "another process" is building
         fcntl.flock(lock, fcntl.LOCK_EX)
         waiter = threading.Thread(target=lambda: result.update(path=bt.ensure_target(cfg)))
@@ -242,7 +244,7 @@ def test_a_second_build_of_the_same_target_waits_for_the_first_and_reuses_it(tmp
         shutil.copytree(reference8[1] / "targets" / final.name, final)  # the other build publishes its target
     waiter.join(timeout=30)
     assert result["path"] == final
-    assert f"[dflash2] waiting for another process that is building {final}" in capsys.readouterr().out.splitlines()
+    assert f"waiting for another process that is building {final}" in caplog.messages
 
 
 def test_gpu_out_of_memory_in_pretraining_names_the_recipe_knobs(tmp_path, monkeypatch):

@@ -122,3 +122,21 @@ def test_hydra_record_lands_in_the_run_folder(tmp_path):
     )
     assert out.returncode == 2 and "task='no_such_task'" in out.stderr
     assert (run / ".hydra" / "config.yaml").is_file() and not (tmp_path / "outputs").exists()
+
+
+def test_eval_acceptance_config_composes_with_its_prompt_options(tmp_path):
+    """configs/eval_acceptance.yaml (a ConfigStore primary config, outside the training groups)."""
+    from hydra import initialize
+    from hydra.core.config_store import ConfigStore
+
+    from dflash2.eval.acceptance_cli import CONFIG_NAME, config_file
+    from dflash2.eval.sampled_prompts import POSITIONS
+
+    ConfigStore.instance().store(name=CONFIG_NAME, node=OmegaConf.load(config_file()))
+    GlobalHydra.instance().clear()
+    with initialize(version_base="1.3", config_path=None):
+        cfg = compose(CONFIG_NAME, overrides=["drafter=d", "seed=7", f"paths.output_dir={tmp_path}"])
+    GlobalHydra.instance().clear()
+    OmegaConf.resolve(cfg)
+    assert cfg.prompts == "heldout" and cfg.num_prompts is None  # a prompts file is evaluated whole
+    assert cfg.prompt_seed == 7 and cfg.prompt_position in POSITIONS and cfg.prompts_per_document == 1

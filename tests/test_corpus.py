@@ -3,14 +3,19 @@
 import json
 import subprocess
 import sys
+from hashlib import sha256
 from pathlib import Path
 
+import numpy as np
 import pytest
-from conftest import subprocess_env
+from conftest import subprocess_env, write_near_copy_families
 
 from dflash2.corpus import (
+    NEAR_DUPLICATE_THRESHOLD,
     SPLITS,
     corpus_fingerprint,
+    document_signature,
+    document_splits,
     iter_documents,
     load_documents,
     site_packages_dir,
@@ -18,6 +23,7 @@ from dflash2.corpus import (
     stdlib_dir,
 )
 from dflash2.errors import DFlash2Error
+from dflash2.near_duplicates import similarity
 
 STDLIB = [{"kind": "stdlib"}]
 REPO = Path(__file__).resolve().parents[1]
@@ -75,7 +81,8 @@ def test_stdlib_splits_are_disjoint_and_cover_everything(stdlib_docs):
     by_split = {s: {d.key for d in load_documents(STDLIB, s)} for s in SPLITS}
     assert set().union(*by_split.values()) == set(keys)
     assert sum(len(v) for v in by_split.values()) == len(keys)  # pairwise disjoint
-    assert all(split_of(k) == s for s, ks in by_split.items() for k in ks)
+    splits = document_splits(STDLIB)
+    assert all(splits[k] == s for s, ks in by_split.items() for k in ks)
     for small in ("validation", "heldout"):
         assert 0.005 < len(by_split[small]) / len(keys) < 0.05
     assert "stdlib:json/decoder.py" in keys
@@ -103,23 +110,73 @@ def test_stdlib_non_utf8_files_decode_through_their_coding_cookie(stdlib_docs):
 
 def test_max_documents_and_max_file_bytes():
     few = list(iter_documents(STDLIB, "train", max_documents=5))
-    assert len(few) == 5 and all(split_of(d.key) == "train" for d in few)
+    splits = document_splits(STDLIB)
+    assert len(few) == 5 and all(splits[d.key] == "train" for d in few)
     small = load_documents(STDLIB, "heldout", max_file_bytes=2_000)
     assert small and all(len(d.text.encode("utf-8", "replace")) <= 2_000 for d in small)
+
+
+# ---- near-duplicates share a split ------------------------------------------------
+
+
+def test_near_copies_never_straddle_splits(tmp_path):
+    families = write_near_copy_families(tmp_path)
+    source = [{"kind": "dir", "path": str(tmp_path), "name": "fam"}]
+    fractions = {"validation_fraction": 0.2, "heldout_fraction": 0.2}  # large: a key split would scatter families
+    straddled_by_key = [f for f in families if len({split_of(k, 0.2, 0.2) for k in f}) > 1]
+    assert len(straddled_by_key) > 10  # what the old path-hash split did
+    splits = document_splits(source, **fractions)
+    assert all(len({splits[k] for k in family}) == 1 for family in families)
+    by_split = {s: {d.key for d in load_documents(source, s, **fractions)} for s in SPLITS}
+    assert all(any(set(family) <= keys for keys in by_split.values()) for family in families)
+    assert all(by_split[s] for s in SPLITS) and sum(map(len, by_split.values())) == len(splits)
+    # a family's split is that of its smallest key; an unrelated document keeps its own key's split
+    assert all(splits[f[0]] == split_of(min(f), 0.2, 0.2) for f in families)
+    solos = [k for k in splits if ":solo/" in k]
+    assert len(solos) == 100 and all(splits[k] == split_of(k, 0.2, 0.2) for k in solos)
+
+
+def test_near_duplicate_threshold_one_turns_grouping_off(tmp_path):
+    families = write_near_copy_families(tmp_path, families=10)
+    source = [{"kind": "dir", "path": str(tmp_path), "name": "fam"}]
+    splits = document_splits(source, validation_fraction=0.2, heldout_fraction=0.2, near_duplicate_threshold=1.0)
+    assert all(splits[k] == split_of(k, 0.2, 0.2) for f in families for k in f)
+    with pytest.raises(DFlash2Error, match=r"near_duplicate_threshold=0 must be in \(0, 1\]"):
+        load_documents(source, "train", near_duplicate_threshold=0)
+
+
+def test_stdlib_generated_families_share_a_split_and_heldout_is_clean():
+    splits = document_splits(STDLIB)
+    families = [
+        ["cp861", "cp869", "cp865", "cp437", "cp860", "cp863"],  # gencodec.py charmap codecs
+        ["mac_greek", "mac_roman", "mac_iceland", "cp1253", "iso8859_7"],
+        ["utf_32_le", "utf_32_be", "utf_16_le", "utf_16_be", "utf_8"],
+    ]
+    for family in families:
+        keys = [f"stdlib:encodings/{name}.py" for name in family]
+        keys = [k for k in keys if k in splits]
+        assert len(keys) >= 3 and len({splits[k] for k in keys}) == 1, {k: splits[k] for k in keys}
+    assert split_of("stdlib:encodings/cp861.py") == "heldout" != split_of("stdlib:encodings/cp869.py")  # the old leak
+    # the report's check: no held-out document is more similar than the threshold to any train document
+    docs = {d.key: d for d in load_documents(STDLIB, None)}
+    heldout = [document_signature(docs[k].text) for k, s in splits.items() if s == "heldout"]
+    train = [document_signature(docs[k].text) for k, s in splits.items() if s == "train"]
+    assert len(heldout) > 10 and similarity(np.stack(heldout), np.stack(train)).max() <= NEAR_DUPLICATE_THRESHOLD
 
 
 # ---- dir sources -------------------------------------------------------------
 
 
-def test_dir_split_does_not_depend_on_other_files(tmp_path):
+def test_dir_split_does_not_depend_on_unrelated_files(tmp_path):
     for i in range(50):
         _write(tmp_path, f"pkg/m{i}.py", f"x = {i}\n")
     source = [{"kind": "dir", "path": str(tmp_path), "name": "mine"}]
-    before = {d.key: split_of(d.key) for d in load_documents(source)}
+    before = document_splits(source)
     assert set(before) == {f"dir:mine:pkg/m{i}.py" for i in range(50)}
+    assert before == {k: split_of(k) for k in before}  # no near-duplicates: each key's own hash
     for i in range(50, 300):
         _write(tmp_path, f"other/n{i}.py", f"y = {i}\n")
-    after = {d.key: split_of(d.key) for d in load_documents(source)}
+    after = document_splits(source)
     assert len(after) == 300
     assert {k: after[k] for k in before} == before
     heldout = {d.key for d in load_documents(source, "heldout")}
@@ -178,7 +235,8 @@ def hf_cache(tmp_path, monkeypatch):
 
 
 def test_hf_local_jsonl_loads_and_splits(tmp_path, hf_cache):
-    rows = [{"text": f"def f{i}():\n    return {i}\n", "id": i} for i in range(400)]
+    # Rows with unrelated content (near-identical rows would rightly be grouped into one split).
+    rows = [{"text": f"def f{i}():\n    return '{sha256(str(i).encode()).hexdigest()}'\n", "id": i} for i in range(400)]
     rows.append(rows[0])  # an exact duplicate is kept once
     path = tmp_path / "code.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
@@ -188,7 +246,8 @@ def test_hf_local_jsonl_loads_and_splits(tmp_path, hf_cache):
     assert all(d.key.startswith("hf:code:") and len(d.key) == len("hf:code:") + 16 for d in docs)
     assert {d.text for d in docs} == {r["text"] for r in rows}
     held = load_documents(source, "heldout")
-    assert held and {d.key for d in held} == {d.key for d in docs if split_of(d.key) == "heldout"}
+    splits = document_splits(source)
+    assert held and {d.key for d in held} == {d.key for d in docs if splits[d.key] == "heldout"}
     # The key hashes the content: reversing the rows changes no document's split.
     path.write_text("\n".join(json.dumps(r) for r in reversed(rows)) + "\n")
     assert {d.key for d in load_documents(source, "heldout")} == {d.key for d in held}
@@ -229,6 +288,7 @@ def test_fingerprint_tracks_files_and_settings(tmp_path):
     assert first == corpus_fingerprint(source, "train")
     assert first != corpus_fingerprint(source, "heldout")
     assert first != corpus_fingerprint(source, "train", max_file_bytes=10)
+    assert first != corpus_fingerprint(source, "train", near_duplicate_threshold=0.6)  # other clusters
     _write(tmp_path, "b.py", "b = 2\n")
     second = corpus_fingerprint(source, "train")
     assert second != first

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -139,38 +140,68 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
 
 
-@pytest.mark.slow
-def test_sigkilled_training_resumes_from_the_last_checkpoint_on_the_same_loss_curve(tmp_path, micro_train_overrides):
+@dataclass
+class Interrupted:
+    """A run SIGKILLed before step index 5 of 8 and resumed with ckpt_path=last, and its reference."""
+
+    run: Path
+    reference: Path
+    returncode: int
+    ckpt_step_at_kill: int | None
+    ckpts_at_kill: list[str]
+    drafter_at_kill: bool
+    csv_steps_at_kill: list[int]
+    summary: dict
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory, micro_train_overrides) -> Interrupted:
+    # With the three loggers (tensorboard and wandb each bring csv), whose logs must survive the resume.
+    tmp = tmp_path_factory.mktemp("crash")
+    overrides = [*micro_train_overrides, "logger=[tensorboard,wandb]"]
     # The run to kill: `python train.py` in a subprocess, held before step index 5 of 8.
-    run, marker, log = tmp_path / "run", tmp_path / "held", tmp_path / "killed.log"
+    run, marker, log = tmp / "run", tmp / "held", tmp / "killed.log"
     ckpts = run / "checkpoints"
-    proc = launch(run_overrides(micro_train_overrides, run, HOLD, marker), log)
+    proc = launch(run_overrides(overrides, run, HOLD, marker), log)
     try:
         # Meanwhile, the reference: the same config run without interruption (in-process, other folder).
-        run_in_process(run_overrides(micro_train_overrides, tmp_path / "reference"))
-        reference = train_losses(tmp_path / "reference")
-        assert sorted(reference) == list(range(MAX_STEPS))
+        run_in_process(run_overrides(overrides, tmp / "reference"))
 
         deadline = time.monotonic() + 240
         while not marker.exists():
             assert proc.poll() is None, f"training exited early:\n{log.read_text()[-3000:]}"
             assert time.monotonic() < deadline, "the run did not reach step 5 within 240 s"
             time.sleep(0.05)
+        time.sleep(2.0)  # W&B writes its local log every second (logger.wandb.flush_seconds); CSV/TB at once
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    assert ckpt_step(ckpts / "last.ckpt") == 4
-    assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt", "step000002.ckpt", "step000004.ckpt"]
-    assert not (run / "drafter").exists()
-
+    at_kill = dict(
+        returncode=proc.returncode,
+        ckpt_step_at_kill=ckpt_step(ckpts / "last.ckpt"),
+        ckpts_at_kill=sorted(p.name for p in ckpts.iterdir()),
+        drafter_at_kill=(run / "drafter").exists(),
+        csv_steps_at_kill=sorted({int(r["step"]) for r in csv_rows(run)}),
+    )
     # Resume in the same folder from last.ckpt (a fresh Trainer, in-process) and let it finish.
-    summary = run_in_process([*run_overrides(micro_train_overrides, run), "ckpt_path=last"])
-    assert summary["drafter"]["steps"] == MAX_STEPS
+    summary = run_in_process([*run_overrides(overrides, run), "ckpt_path=last"])
+    return Interrupted(run=run, reference=tmp / "reference", summary=summary, **at_kill)
 
+
+@pytest.mark.slow
+def test_sigkilled_training_resumes_from_the_last_checkpoint_on_the_same_loss_curve(interrupted):
+    run, ckpts = interrupted.run, interrupted.run / "checkpoints"
+    reference = train_losses(interrupted.reference)
+    assert sorted(reference) == list(range(MAX_STEPS))
+    assert interrupted.returncode == -signal.SIGKILL
+    assert interrupted.ckpt_step_at_kill == 4
+    assert interrupted.ckpts_at_kill == ["last.ckpt", "step000002.ckpt", "step000004.ckpt"]
+    assert not interrupted.drafter_at_kill
+
+    assert interrupted.summary["drafter"]["steps"] == MAX_STEPS
     assert ckpt_step(ckpts / "last.ckpt") == MAX_STEPS
     assert sorted(p.name for p in ckpts.iterdir()) == [
         "last.ckpt",
@@ -180,8 +211,99 @@ def test_sigkilled_training_resumes_from_the_last_checkpoint_on_the_same_loss_cu
         assert ckpt_step(path) == (MAX_STEPS if path.name == "last.ckpt" else int(path.stem.removeprefix("step")))
     assert (run / "drafter" / "model.safetensors").exists()
 
-    # The CSV logger of the resumed run rewrites metrics.csv; keep only the steps it trained.
-    resumed = {s: v for s, v in train_losses(run).items() if s >= 4}
-    assert sorted(resumed) == list(range(4, MAX_STEPS))
+    resumed = train_losses(run)
+    assert sorted(resumed) == list(range(MAX_STEPS))
     for step, loss in resumed.items():
         assert loss == pytest.approx(reference[step], rel=1e-5, abs=1e-6), step
+
+
+# ----------------------------------------------------------------- the run's logs after the resume
+# Measured speed is not reproduced (nor logged at the first step after a restart, which has no previous
+# step to time against); every other logged value is.
+TIMING = {"train/tokens_per_s"}
+
+
+def logged_values(rows) -> dict[tuple[int, str], list[float]]:
+    """{(step, metric): [value, ...]} over CSV-like rows; a pair logged twice has two values."""
+    values: dict[tuple[int, str], list[float]] = {}
+    for row in rows:
+        step = int(float(row["step"]))
+        for key, value in row.items():
+            if key != "step" and value not in ("", None):
+                values.setdefault((step, key), []).append(float(value))
+    return values
+
+
+def assert_same_history(resumed: dict, reference: dict) -> None:
+    twice = sorted(pair for pair, values in resumed.items() if len(values) != 1)
+    assert not twice, f"logged more than once: {twice}"
+    resumed, reference = ({pair: v for pair, v in d.items() if pair[1] not in TIMING} for d in (resumed, reference))
+    assert sorted(resumed) == sorted(reference)  # the same (step, metric) pairs, none missing, none added
+    for (step, key), [value] in resumed.items():
+        assert value == pytest.approx(reference[step, key][0], rel=1e-5, abs=1e-6), (step, key)
+
+
+@pytest.mark.slow
+def test_csv_log_holds_the_whole_history_once(interrupted):
+    # The killed process had written rows up to step 4 (the rows after its step-4 checkpoint are re-run).
+    assert interrupted.csv_steps_at_kill[0] == 0 and interrupted.csv_steps_at_kill[-1] >= 4
+    resumed, reference = logged_values(csv_rows(interrupted.run)), logged_values(csv_rows(interrupted.reference))
+    assert {step for step, _ in resumed} == set(range(MAX_STEPS))
+    assert_same_history(resumed, reference)
+
+
+@pytest.mark.slow
+def test_tensorboard_log_holds_each_step_once(interrupted):
+    pytest.importorskip("tensorboard")
+    resumed, reference = tensorboard_values(interrupted.run), tensorboard_values(interrupted.reference)
+    assert {step for step, key in resumed if key == "train/loss"} == set(range(MAX_STEPS))
+    assert len(list((interrupted.run / "tensorboard").glob("events.out.tfevents.*"))) == 2  # one file per process
+    assert_same_history(resumed, reference)
+
+
+@pytest.mark.slow
+def test_wandb_run_continues_under_its_id_with_each_step_once(interrupted):
+    pytest.importorskip("wandb")
+    from dflash2.training.resumable_loggers import WANDB_RUN_ID_FILE
+    from dflash2.training.wandb_history import STEP_KEY, history_rows, segment_files
+
+    wandb_dir = interrupted.run / "wandb"
+    run_id = (wandb_dir / WANDB_RUN_ID_FILE).read_text()
+    # The killed process and the resumed one wrote one offline segment each, under the same run id.
+    assert [p.parent.name.split("-")[0] for p in segment_files(wandb_dir, run_id)] == ["offline", "offline"]
+    assert len(list(wandb_dir.glob("offline-run-*"))) == 2
+
+    def values(run_dir: Path, run_id: str) -> dict:
+        rows = history_rows(run_dir / "wandb", run_id)
+        return logged_values(
+            {"step": row[STEP_KEY], **{k: v for k, v in row.items() if k != STEP_KEY}}
+            for row in rows
+            if STEP_KEY in row
+        )
+
+    reference_id = (interrupted.reference / "wandb" / WANDB_RUN_ID_FILE).read_text()
+    resumed, reference = values(interrupted.run, run_id), values(interrupted.reference, reference_id)
+    resumed, reference = ({k: v for k, v in d.items() if not k[1].startswith("_")} for d in (resumed, reference))
+    assert {step for step, key in resumed if key == "train/loss"} == set(range(MAX_STEPS))
+    assert_same_history(resumed, reference)
+
+
+def csv_rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "csv" / "metrics.csv"
+    if not path.exists():
+        return []
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def tensorboard_values(run_dir: Path) -> dict[tuple[int, str], list[float]]:
+    """{(step, tag): values} of the scalars TensorBoard shows for the run (its reader applies purge_step)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    values: dict[tuple[int, str], list[float]] = {}
+    for tag in events.Tags()["scalars"]:
+        for event in events.Scalars(tag):
+            values.setdefault((event.step, tag), []).append(event.value)
+    return values

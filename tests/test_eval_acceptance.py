@@ -10,7 +10,7 @@ from itertools import pairwise
 import pytest
 import torch
 
-from dflash2.corpus import load_documents, split_of
+from dflash2.corpus import document_splits, load_documents
 from dflash2.drafter import DFlashDrafter, save_drafter
 from dflash2.errors import DFlash2Error
 from dflash2.eval import acceptance as acceptance_mod
@@ -154,10 +154,11 @@ def test_bad_prompt_files_name_the_line(saved, tmp_path, content, message):
         assert str(path) in str(err.value)
 
 
-def test_heldout_prompts_are_fixed_length_prefixes_of_heldout_files(saved):
+def test_heldout_prompts_are_fixed_length_passages_of_heldout_files(saved):
     prompts = load_prompts("heldout", saved["target"].tokenizer, num_prompts=2, prompt_tokens=16)
     assert len(prompts) == 2 and all(len(p.ids) == 16 for p in prompts)
-    assert all(split_of(p.source) == "heldout" for p in prompts)
+    splits = document_splits([{"kind": "stdlib"}])
+    assert all(splits[p.source] == "heldout" for p in prompts)
     with pytest.raises(DFlash2Error, match="no tokenizer"):
         load_prompts("heldout", None)
     with pytest.raises(DFlash2Error, match="not found"):
@@ -176,9 +177,10 @@ def _cli(monkeypatch, *overrides):
     acceptance_cli.main()
 
 
-def test_cli_writes_results_from_saved_folders(saved, tmp_path, monkeypatch, capsys):
+def test_cli_writes_results_from_saved_folders(saved, tmp_path, monkeypatch, caplog):
     assert importlib.import_module("eval.acceptance").main is acceptance_cli.main  # the `python -m` shim
     out = tmp_path / "out"
+    caplog.set_level(logging.INFO, logger="dflash2")
     _cli(
         monkeypatch,
         f"target={saved['root'] / 'target'}",
@@ -191,7 +193,9 @@ def test_cli_writes_results_from_saved_folders(saved, tmp_path, monkeypatch, cap
     assert (out / ".hydra" / "config.yaml").is_file()  # Hydra's record lands beside the results
     res = json.loads((out / "results.json").read_text())
     assert res["lossless"] is True and res["num_prompts"] == 2
-    assert res["settings"]["prompts"] == str(saved["prompts"]) and "mean tau" in capsys.readouterr().out
+    assert res["settings"]["prompts"] == str(saved["prompts"]) and any(
+        m.startswith("mean tau ") for m in caplog.messages
+    )
     # the same target loaded back from disk decodes exactly like the in-memory one
     loaded = TargetModel.from_pretrained(str(saved["root"] / "target"), target_layer_ids=[0, 1])
     torch.testing.assert_close(loaded(torch.tensor([[5, 6]])).logits, saved["target"](torch.tensor([[5, 6]])).logits)

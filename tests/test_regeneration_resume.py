@@ -5,6 +5,7 @@ an uninterrupted run writes, row for row, greedy and sampled. Unreadable shards 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -164,7 +165,7 @@ def killed_caches(micro_target_dir, reference, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("sampling", ["greedy", "sample"])
 def test_sigkilled_regeneration_resumes_from_its_shards_to_the_same_dataset(
-    sampling, micro_target_dir, micro_target, reference, killed_caches, capsys
+    sampling, micro_target_dir, micro_target, reference, killed_caches, caplog
 ):
     data = {**DATA, "sampling": sampling}
     expected, reference_calls, reference_cache = reference(sampling)
@@ -191,13 +192,10 @@ def test_sigkilled_regeneration_resumes_from_its_shards_to_the_same_dataset(
         )
         assert not torch.equal(fresh, reference_calls[KILL_AFTER][1])
 
-    capsys.readouterr()
+    caplog.set_level(logging.INFO, logger="dflash2")
     recorder = Recorder()
     dataset = regenerate_recorded(micro_target, micro_target_dir, cache, data, recorder)
-    assert (
-        f"[dflash2] regeneration of train: resuming at batch {KILL_AFTER}/{NUM_BATCHES} from {partial}\n"
-        in capsys.readouterr().out
-    )
+    assert f"regeneration of train: resuming at batch {KILL_AFTER}/{NUM_BATCHES} from {partial}" in caplog.messages
     assert_generated_only(recorder, reference_calls, KILL_AFTER)
     assert_same_rows(dataset, expected)
     # Same final folder name as the uninterrupted run, and the partial folder is gone.
@@ -209,7 +207,7 @@ def test_sigkilled_regeneration_resumes_from_its_shards_to_the_same_dataset(
 
 
 @pytest.mark.slow
-def test_a_truncated_shard_is_discarded_and_regenerated(tmp_path, micro_target_dir, micro_target, reference, capsys):
+def test_a_truncated_shard_is_discarded_and_regenerated(tmp_path, micro_target_dir, micro_target, reference, caplog):
     cache, data = tmp_path / "cache", {**DATA, "sampling": "sample"}
     expected, reference_calls, _ = reference("sample")
     with pytest.raises(InterruptedError):  # interrupted when asked for batch 3: shards 0-2 saved
@@ -220,12 +218,14 @@ def test_a_truncated_shard_is_discarded_and_regenerated(tmp_path, micro_target_d
     stray = partial / f".batch-000003.pt.tmp-{os.getpid()}"  # a killed write's temp file
     stray.write_bytes(b"half a shard")
 
-    capsys.readouterr()
+    caplog.set_level(logging.INFO, logger="dflash2")
     recorder = Recorder()
     dataset = regenerate_recorded(micro_target, micro_target_dir, cache, data, recorder)
-    out = capsys.readouterr().out
-    assert f"discarding unreadable regeneration shard {shard}" in out
-    assert f"resuming at batch 1/{NUM_BATCHES} from {partial}\n" in out
+    assert any(
+        r.levelno == logging.WARNING and r.getMessage().startswith(f"discarding unreadable regeneration shard {shard} ")
+        for r in caplog.records
+    )
+    assert f"regeneration of train: resuming at batch 1/{NUM_BATCHES} from {partial}" in caplog.messages
     # Batch 1 and every later one (their generator state follows from batch 1) were generated again.
     assert_generated_only(recorder, reference_calls, 1)
     assert_same_rows(dataset, expected)

@@ -84,9 +84,11 @@ def one_run(root: str) -> None:
 
     from dflash2.drafter import load_drafter
     from dflash2.eval import evaluate_acceptance
+    from dflash2.logging_setup import configure_console_logging
     from dflash2.target import TargetModel
     from dflash2.training.run import run_from_config
 
+    configure_console_logging()  # the run's lines in the log, as train.py shows them
     root = Path(root)
     cache = root / "cache"
     calls: list = []

@@ -92,17 +92,17 @@ def test_the_trainer_resume_load_is_weights_only(tmp_path):
     assert io.load_checkpoint(tmp_path / "ok.ckpt")["global_step"] == 1
 
 
-def test_a_crafted_target_build_checkpoint_is_ignored_not_run(tmp_path, capsys):
+def test_a_crafted_target_build_checkpoint_is_ignored_not_run(tmp_path, caplog):
     from dflash2.training.build_target import _checkpoint_step
 
     marker = tmp_path / "pwned"
     crafted = crafted_checkpoint(tmp_path / "last.ckpt", marker, {"global_step": 4})
     assert _checkpoint_step(crafted) is None  # the build starts over and overwrites it
-    assert "ignoring unreadable target-build checkpoint" in capsys.readouterr().out
+    assert any(m.startswith(f"ignoring unreadable target-build checkpoint {crafted} ") for m in caplog.messages)
     assert not marker.exists()
 
 
-def test_a_crafted_regeneration_shard_is_discarded_not_run(tmp_path, capsys):
+def test_a_crafted_regeneration_shard_is_discarded_not_run(tmp_path, caplog):
     from dflash2.data.shard_store import ShardStore
 
     store = ShardStore(tmp_path / "partial")
@@ -112,7 +112,7 @@ def test_a_crafted_regeneration_shard_is_discarded_not_run(tmp_path, capsys):
     base = {"index": 0, "prompt": prompt, "response": torch.zeros(2, 4, dtype=torch.int64)}
     crafted_checkpoint(store.path(0), marker, {**base, "generator_state": torch.Generator().get_state()})
     assert store.load([prompt], response_tokens=4) == []
-    assert "discarding unreadable regeneration shard" in capsys.readouterr().out
+    assert any(m.startswith(f"discarding unreadable regeneration shard {store.path(0)} ") for m in caplog.messages)
     assert not marker.exists()
 
 

@@ -103,6 +103,21 @@ def test_saved_drafter_reloads_with_identical_logits(trained_run):
     assert torch.equal(a, b)
 
 
+def test_drafter_and_checkpoints_record_the_data_split(trained_run):
+    """Evaluation reads this record to draw held-out prompts from the run's own split (issue 11)."""
+    tmp, _ = trained_run
+    record = load_drafter(tmp / "run" / "drafter").config.training_data
+    assert record["sources"] == [{"kind": "stdlib"}] and record["seed"] == 0
+    assert (record["validation_fraction"], record["heldout_fraction"], record["near_duplicate_threshold"]) == (
+        0.02,
+        0.02,
+        0.5,
+    )
+    assert record["split_rule"].startswith("near-duplicate clusters")
+    ckpt = torch.load(tmp / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert ckpt["dflash2"]["drafter_config"]["training_data"] == record
+
+
 @pytest.mark.parametrize("resume_step", [2, 4])
 def test_resume_from_mid_run_checkpoint_continues_the_same_loss_curve(trained_run, micro_train_overrides, resume_step):
     tmp, _ = trained_run

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -36,11 +37,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from dflash2.corpus import corpus_fingerprint, load_documents
+from dflash2.corpus import corpus_fingerprint, load_documents, split_kwargs
 from dflash2.data.prompts import code_prompt_batches
 from dflash2.data.shard_store import Shard, ShardStore
 from dflash2.errors import DFlash2Error
 from dflash2.target_dtype import dtype_name
+
+log = logging.getLogger(__name__)
 
 
 def target_fingerprint(name_or_path: str | Path) -> str:
@@ -150,10 +153,7 @@ def regeneration_cache_key(target, data: dict, *, split: str, num_prompts: int, 
     The dtype is part of it because a bf16 target's greedy continuations differ from its
     fp32 ones (near-ties flip), so each precision gets its own data (ARCHITECTURE.md §2.1).
     """
-    split_kw = {
-        "validation_fraction": float(data["validation_fraction"]),
-        "heldout_fraction": float(data["heldout_fraction"]),
-    }
+    split_kw = split_kwargs(data)
     return hashlib.sha256(
         json.dumps(
             {
@@ -179,10 +179,7 @@ def regenerate_split(
     if data["sampling"] not in ("greedy", "sample"):
         raise DFlash2Error(f"data.sampling={data['sampling']!r}: use 'greedy' or 'sample'")
     sources = data["sources"]
-    split_kw = {
-        "validation_fraction": float(data["validation_fraction"]),
-        "heldout_fraction": float(data["heldout_fraction"]),
-    }
+    split_kw = split_kwargs(data)
     key = regeneration_cache_key(target, data, split=split, num_prompts=num_prompts, seed=seed, target_id=target_id)
     final = Path(cache_dir) / "data" / f"{split}-{key}"
     if (final / "dataset_info.json").exists():
@@ -245,10 +242,7 @@ def _generate_resumable(
     if done:
         # The state after the last saved batch: sampling continues as if never interrupted.
         generator.set_state(done[-1].generator_state)
-        print(
-            f"[dflash2] regeneration of {split}: resuming at batch {len(done)}/{len(prompts)} from {store.folder}",
-            flush=True,
-        )
+        log.info(f"regeneration of {split}: resuming at batch {len(done)}/{len(prompts)} from {store.folder}")
     responses = [shard.response for shard in done]
     steps = range(len(done), len(prompts))
     for i in tqdm(steps, initial=len(done), total=len(prompts), desc=f"regenerating {split} responses", unit="batch"):

@@ -23,6 +23,7 @@ training checkpoints.
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ import torch
 
 from dflash2.atomic_files import atomic_torch_save
 from dflash2.safe_load import load_torch_file
+
+log = logging.getLogger(__name__)
 
 SHARD_NAME = re.compile(r"batch-(\d{6})\.pt")
 
@@ -111,17 +114,10 @@ class ShardStore:
                 and shard.generator_state.dtype == torch.uint8
             )
         except Exception as e:  # a truncated or foreign file: any error means "regenerate this batch"
-            print(
-                f"[dflash2] discarding unreadable regeneration shard {path} ({type(e).__name__}); it is regenerated",
-                flush=True,
-            )
+            log.warning(f"discarding unreadable regeneration shard {path} ({type(e).__name__}); it is regenerated")
             return None
         if not valid:
-            print(
-                f"[dflash2] discarding regeneration shard {path}: made for other prompts or settings; "
-                "it is regenerated",
-                flush=True,
-            )
+            log.warning(f"discarding regeneration shard {path}: made for other prompts or settings; it is regenerated")
             return None
         return shard
 

@@ -46,6 +46,10 @@ class DrafterConfig:
     # dflash2.tokenizer.tokenizer_fingerprint of the target's tokenizer at training time; a target
     # whose tokenizer hashes differently is refused (same vocab size, other ids). None: not recorded.
     target_tokenizer_fingerprint: str | None = None
+    # The corpus split the drafter was trained on (dflash2.data.split_record): sources, split fractions,
+    # near-duplicate threshold, split rule, seed. Evaluation draws held-out prompts from it and refuses
+    # prompts of its train split. None: not recorded (older drafters; evaluation assumes the defaults).
+    training_data: dict | None = None
 
     # ------------------------------------------------------------------ helpers
     @property

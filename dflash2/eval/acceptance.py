@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from dflash2.decoding.decoder import DFlashProposer, greedy_generate, speculative_generate
 from dflash2.decoding.sampling import SamplingParams
 from dflash2.errors import DFlash2Error
+from dflash2.eval.prompt_counts import counts_line, prompt_counts
 from dflash2.eval.prompts import Prompt
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,7 @@ def evaluate_acceptance(
     max_context: int | None = None,
     settings: dict | None = None,
     show_progress: bool = True,
+    prompt_set: dict | None = None,
 ) -> dict:
     """Speculative decoding of ``target`` with ``drafter`` on ``prompts``; returns the results dict.
 
@@ -140,6 +142,9 @@ def evaluate_acceptance(
     max_context: positions available (default: min of target/drafter max_position_embeddings);
     a prompt with len + max_new_tokens + B - 1 > max_context is skipped with a warning and counted.
     settings: extra entries recorded under results["settings"] (e.g. paths from the CLI).
+    prompt_set: what the prompts are (PromptSet.info: set, seed, data split, keys + offsets, counts),
+    recorded as results["prompt_set"]; results["prompt_counts"] says how many prompts were asked,
+    given and evaluated, and why any went missing (also logged).
     Writes the files of ``FILES`` into output_dir when given.
     """
     DFlashProposer(drafter, target)  # raises DFlash2Error for a drafter of another target (vocab/width/taps)
@@ -170,6 +175,9 @@ def evaluate_acceptance(
             skipped.append({"index": i, "source": p.source, "prompt_tokens": len(p.ids), "reason": reason})
         else:
             kept.append((i, p))
+    counts = prompt_counts(prompt_set, len(all_prompts), skipped, limit)
+    if counts_line(counts):
+        log.warning("%s", counts_line(counts))
     if not kept:
         raise DFlash2Error(
             f"all {len(all_prompts)} prompts were skipped (longer than the context limit {limit} with "
@@ -202,6 +210,7 @@ def evaluate_acceptance(
         "num_prompts": len(records),
         "skipped_prompts": len(skipped),
         "skipped": skipped,
+        "prompt_counts": counts,
         **stats,
         "tokens": tokens,
         # emitted tokens per verify step after EOS / max_new_tokens truncation (the prefill token excluded)
@@ -236,10 +245,13 @@ def evaluate_acceptance(
         "eos_token_id": eos,
         "max_context": limit,
         "num_prompts_given": len(all_prompts),
+        "num_prompts_asked": counts["asked"],
         "device": str(device),
         "dtype": str(target.embed_tokens.weight.dtype).removeprefix("torch."),
         **(settings or {}),
     }
+    if prompt_set is not None:
+        results["prompt_set"] = prompt_set
     if output_dir is not None:
         write_outputs(Path(output_dir), results, records, target.tokenizer)
     return results
@@ -255,6 +267,7 @@ def write_outputs(out: Path, results: dict, records: list[dict], tokenizer) -> N
             row = {
                 "index": r["index"],
                 "source": r["prompt"].source,
+                "offset": r["prompt"].offset,
                 "prompt": r["prompt"].text,
                 "generated_text": tokenizer.decode(r["ids"]) if tokenizer is not None else None,
                 "generated_ids": r["ids"],
@@ -293,6 +306,7 @@ def markdown_table(results: dict) -> str:
         ("drafter", f"{s['drafter_version']} (block {s['block_size']})"),
         ("temperature / top-k / top-p", f"{s['temperature']} / {s['top_k']} / {s['top_p']}"),
         ("prompts", f"{results['num_prompts']} evaluated, {results['skipped_prompts']} skipped"),
+        *[("fewer prompts", note) for note in results.get("prompt_counts", {}).get("notes", [])],
         ("mean τ (tokens per verify step incl. bonus)", f"{results['mean_tau']:.3f}"),
         ("verify steps", str(results["steps"])),
         ("generated tokens", str(results["tokens"])),

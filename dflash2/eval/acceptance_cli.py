@@ -18,6 +18,7 @@ from dflash2.errors import DFlash2Error
 
 log = logging.getLogger(__name__)
 CONFIG_NAME = "eval_acceptance"
+JOB_LOGGING = "dflash2"
 
 
 def config_file() -> Path:
@@ -35,9 +36,11 @@ def run(cfg) -> dict:
     import torch
     from omegaconf import OmegaConf
 
+    from dflash2.data.split_record import recorded_training_data
     from dflash2.drafter.io import load_drafter
     from dflash2.eval.acceptance import evaluate_acceptance
-    from dflash2.eval.prompts import load_prompts
+    from dflash2.eval.prompt_counts import counts_line
+    from dflash2.eval.prompts import prompt_set
     from dflash2.oom import EVAL_KNOBS, explain_oom, knob_hints
     from dflash2.target import TargetModel
 
@@ -52,9 +55,18 @@ def run(cfg) -> dict:
     target = TargetModel.from_pretrained(
         str(target_path), target_layer_ids=list(drafter.config.target_layer_ids), dtype=cfg.dtype, device=device
     )
-    prompts = load_prompts(
-        str(cfg.prompts), target.tokenizer, num_prompts=cfg.num_prompts, prompt_tokens=int(cfg.prompt_tokens)
+    training_data, recorded = recorded_training_data(drafter.config.training_data, str(cfg.drafter))
+    prompts = prompt_set(
+        str(cfg.prompts),
+        target.tokenizer,
+        num_prompts=cfg.num_prompts,
+        prompt_tokens=int(cfg.prompt_tokens),
+        prompts_per_document=int(cfg.prompts_per_document),
+        position=str(cfg.prompt_position),
+        seed=int(cfg.prompt_seed),
+        training_data=training_data,
     )
+    prompts.info["data_split_recorded"] = recorded  # False: the defaults were assumed (logged)
     # Prompts run one at a time, so memory grows with their length, not their number.
     with explain_oom(
         "speculative decoding", knob_hints(cfg, EVAL_KNOBS), extra=" (or load the target with dtype=bfloat16)"
@@ -62,7 +74,7 @@ def run(cfg) -> dict:
         results = evaluate_acceptance(
             target,
             drafter,
-            prompts,
+            prompts.prompts,
             temperature=float(cfg.temperature),
             top_k=int(cfg.top_k),
             top_p=float(cfg.top_p),
@@ -72,23 +84,37 @@ def run(cfg) -> dict:
             seed=int(cfg.seed),
             max_context=cfg.max_context,
             settings={"drafter": str(cfg.drafter), "prompts": str(cfg.prompts), "target_path": str(target_path)},
+            prompt_set=prompts.info,
         )
     lossless = {None: "not checked", True: "true", False: "FALSE"}[results["lossless"]]
-    print(
+    if counts_line(results["prompt_counts"]):
+        log.info(f"note: {counts_line(results['prompt_counts'])}")
+    log.info(
         f"mean tau {results['mean_tau']:.3f} over {results['steps']} steps, {results['num_prompts']} prompts "
         f"({results['skipped_prompts']} skipped); lossless {lossless}; results in {cfg.paths.output_dir}"
     )
     return results
 
 
-def main() -> None:
-    """Entry point: compose the config (with CLI overrides) and run; DFlash2Error -> one line, exit 2."""
-    import hydra
+def register_configs() -> None:
+    """Put the eval config, and the console/log-file setup train.py uses (its defaults list selects
+    it), into Hydra's ConfigStore."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
+    primary = config_file()
+    store = ConfigStore.instance()
+    store.store(name=CONFIG_NAME, node=OmegaConf.load(primary))
+    job_logging = primary.parent / "hydra" / "job_logging" / f"{JOB_LOGGING}.yaml"
+    store.store(group="hydra/job_logging", name=JOB_LOGGING, node=OmegaConf.load(job_logging))
+
+
+def main() -> None:
+    """Entry point: compose the config (with CLI overrides) and run; DFlash2Error -> one line, exit 2."""
+    import hydra
+
     try:
-        ConfigStore.instance().store(name=CONFIG_NAME, node=OmegaConf.load(config_file()))
+        register_configs()
     except DFlash2Error as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

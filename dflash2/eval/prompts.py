@@ -1,12 +1,17 @@
-"""Prompt sets for acceptance evaluation (issue 4).
+"""Prompt sets for acceptance evaluation (issues 4, 11).
 
-* ``heldout``: the held-out split of the embedded stdlib corpus (docs/CORPUS.md) as
-  file-prefix prompts of a fixed token length: the target continues real code from
-  a real point, on files neither it nor the drafter trained on. No chat template:
-  these are continuation prompts, not conversations.
+* ``heldout``: a seeded random sample of the held-out split of the data the drafter
+  was trained on (``DrafterConfig.training_data``), as fixed-length token prompts at
+  random offsets (or file heads): the target continues real code from a real point,
+  on documents that neither the drafter nor any near-copy of them was trained on
+  (docs/CORPUS.md). No chat template: these are continuation prompts, not conversations.
+* ``ood``: the same from this interpreter's site-packages, code that no training
+  source of the run contains (``dflash2.eval.sampled_prompts``).
 * a ``.jsonl`` file with one ``{"prompt": "..."}`` (or ``{"messages": [...]}``) per
   line; blank lines are skipped. The tokenizer's chat template is applied when it
-  has one (user turn + generation prompt), otherwise the text is encoded as is.
+  has one (user turn + generation prompt), otherwise the text is encoded as is. A
+  file is evaluated whole unless a count is asked for, and a prompt that is text
+  of the run's train split is refused (``dflash2.eval.train_overlap``).
 
 Every user mistake is a one-line ``DFlash2Error`` naming the file and 1-based line.
 """
@@ -14,31 +19,76 @@ Every user mistake is a one-line ``DFlash2Error`` naming the file and 1-based li
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash2.errors import DFlash2Error
 
+log = logging.getLogger(__name__)
 HELDOUT = "heldout"
+OOD = "ood"
+DEFAULT_SAMPLE_SIZE = 32  # prompts drawn from heldout / ood when no count is asked for
 
 
 @dataclass
 class Prompt:
-    """One prompt: its text (decoded back for heldout prefixes), its token ids, and where it came from."""
+    """One prompt: its text (decoded back for corpus prompts), its token ids, where it came from
+    (a document key, or FILE:LINE) and, for corpus prompts, its token offset in that document."""
 
     text: str
     ids: list[int]
     source: str
+    offset: int | None = None
+
+
+@dataclass
+class PromptSet:
+    """Prompts and what results.json records about them: the set, seed, settings, the data split
+    the drafter was trained on, counts, why fewer prompts than asked or available were made, and
+    every prompt's key and offset."""
+
+    prompts: list[Prompt]
+    info: dict = field(default_factory=dict)
 
 
 def load_prompts(
-    spec: str, tokenizer, *, num_prompts: int | None = None, prompt_tokens: int = 64, chat_template: bool = True
+    spec: str,
+    tokenizer,
+    *,
+    num_prompts: int | None = None,
+    prompt_tokens: int = 64,
+    chat_template: bool = True,
+    **options,
 ) -> list[Prompt]:
-    """``spec`` = "heldout" or a path to a .jsonl file -> up to ``num_prompts`` prompts (None = all).
+    """The prompts of :func:`prompt_set` (same arguments)."""
+    return prompt_set(
+        spec, tokenizer, num_prompts=num_prompts, prompt_tokens=prompt_tokens, chat_template=chat_template, **options
+    ).prompts
 
-    prompt_tokens: length of the heldout file-prefix prompts. Raises DFlash2Error on
-    an empty set, a missing/bad file or a missing tokenizer.
+
+def prompt_set(
+    spec: str,
+    tokenizer,
+    *,
+    num_prompts: int | None = None,
+    prompt_tokens: int = 64,
+    prompts_per_document: int = 1,
+    position: str = "random",
+    seed: int = 0,
+    training_data: dict | None = None,
+    chat_template: bool = True,
+) -> PromptSet:
+    """``spec`` = "heldout", "ood" or a path to a .jsonl file -> a PromptSet.
+
+    num_prompts: None = a whole file, or DEFAULT_SAMPLE_SIZE prompts drawn from heldout / ood.
+    prompt_tokens, prompts_per_document, position ("random" offsets or "head"), seed: how
+    heldout / ood prompts are drawn. training_data: the drafter's record of its data split
+    (None: the default data config). Raises DFlash2Error on an empty set, a missing/bad file,
+    a missing tokenizer, or a prompt from the train split.
     """
+    from dflash2.data.split_record import DEFAULT_RECORD
+
     if tokenizer is None:
         raise DFlash2Error(
             "the target has no tokenizer, so text prompts cannot be encoded; save a tokenizer "
@@ -46,38 +96,119 @@ def load_prompts(
         )
     if num_prompts is not None and num_prompts < 1:
         raise DFlash2Error(f"num_prompts={num_prompts} must be >= 1 (or null for all)")
-    if str(spec) == HELDOUT:
-        prompts = heldout_prompts(tokenizer, num_prompts=num_prompts, prompt_tokens=prompt_tokens)
-        where = f"the held-out corpus split (no file has {prompt_tokens} tokens)"
+    record = dict(training_data or DEFAULT_RECORD)
+    spec = str(spec)
+    if spec in (HELDOUT, OOD):
+        prompts, info = _sampled_set(
+            spec, tokenizer, record, num_prompts, prompt_tokens, prompts_per_document, position, seed
+        )
     else:
-        prompts = jsonl_prompts(spec, tokenizer, num_prompts=num_prompts, chat_template=chat_template)
-        where = str(spec)
+        prompts, info = _file_set(spec, tokenizer, record, num_prompts, chat_template)
     if not prompts:
-        raise DFlash2Error(f"the prompt set is empty: no prompts in {where}; add prompts or use prompts=heldout")
-    return prompts
+        raise DFlash2Error(f"the prompt set is empty: {info['shortfall']}; add prompts or use prompts=heldout")
+    info["data_split"] = record
+    info["prompts"] = [{"key": p.source, "offset": p.offset} for p in prompts]
+    return PromptSet(prompts, info)
 
 
-def heldout_prompts(tokenizer, *, num_prompts: int | None, prompt_tokens: int, sources=None) -> list[Prompt]:
-    """The first ``prompt_tokens`` tokens of held-out files (sorted by key; shorter files skipped)."""
+def heldout_prompts(
+    tokenizer, *, num_prompts: int | None, prompt_tokens: int, sources=None, seed: int = 0, **options
+) -> list[Prompt]:
+    """A seeded sample of prompts of the held-out split of ``sources`` (default: the stdlib) with the
+    default split settings; ``options`` as in :func:`prompt_set`."""
+    from dflash2.data.split_record import DEFAULT_RECORD
+
+    record = {**DEFAULT_RECORD, "sources": list(sources or DEFAULT_RECORD["sources"])}
+    return load_prompts(
+        HELDOUT,
+        tokenizer,
+        num_prompts=num_prompts,
+        prompt_tokens=prompt_tokens,
+        seed=seed,
+        training_data=record,
+        **options,
+    )
+
+
+def _sampled_set(spec, tokenizer, record, num_prompts, prompt_tokens, prompts_per_document, position, seed):
+    from dflash2.eval.sampled_prompts import heldout_candidates, ood_candidates, sample_prompts
+
+    keep = None
+    if spec == HELDOUT:
+        keys, read = heldout_candidates(record)
+        where = "the held-out split"
+    else:
+        keys, read, keep = ood_candidates(record, int(record["max_file_bytes"]))
+        where = "site-packages"
+    asked = num_prompts or DEFAULT_SAMPLE_SIZE
+    prompts, counts = sample_prompts(
+        keys,
+        read,
+        tokenizer,
+        num_prompts=asked,
+        prompt_tokens=prompt_tokens,
+        prompts_per_document=prompts_per_document,
+        position=position,
+        seed=seed,
+        keep=keep,
+    )
+    info = {
+        "set": spec,
+        "seed": int(seed),
+        "prompt_tokens": int(prompt_tokens),
+        "prompts_per_document": int(prompts_per_document),
+        "position": position,
+        "asked": asked,
+        "made": len(prompts),
+        **counts,
+        "shortfall": None,
+    }
+    if len(prompts) < asked:
+        over = counts["documents_passed_over"]
+        reasons = [
+            f"{over['too_short']} shorter than prompt_tokens={prompt_tokens}" if over["too_short"] else "",
+            f"{over['near_train']} near-duplicates of train documents" if over["near_train"] else "",
+            f"{over['unreadable']} empty or larger than max_file_bytes" if over["unreadable"] else "",
+        ]
+        reasons = ", ".join(r for r in reasons if r) or "none passed over"
+        info["shortfall"] = (
+            f"{len(prompts)} of {asked} prompts asked: {where} has {len(keys)} documents ({reasons}) "
+            f"and each gives at most prompts_per_document={prompts_per_document}"
+        )
+    return prompts, info
+
+
+def _file_set(path, tokenizer, record, num_prompts, chat_template):
     from dflash2.corpus import load_documents
+    from dflash2.data.split_record import corpus_kwargs
+    from dflash2.eval.train_overlap import check_not_from_train
 
-    if prompt_tokens < 1:
-        raise DFlash2Error(f"prompt_tokens={prompt_tokens} must be >= 1")
-    out = []
-    for doc in load_documents(sources or [{"kind": "stdlib"}], HELDOUT):
-        ids = tokenizer(doc.text, add_special_tokens=False)["input_ids"]
-        if len(ids) < prompt_tokens:
-            continue
-        ids = list(ids[:prompt_tokens])
-        out.append(Prompt(text=tokenizer.decode(ids), ids=ids, source=doc.key))
-        if num_prompts is not None and len(out) == num_prompts:
-            break
-    return out
+    prompts = jsonl_prompts(path, tokenizer, chat_template=chat_template)
+    in_file = len(prompts)
+    if num_prompts is not None:
+        prompts = prompts[:num_prompts]
+    info = {"set": str(path), "asked": num_prompts, "in_file": in_file, "made": len(prompts), "shortfall": None}
+    if num_prompts is not None and in_file < num_prompts:
+        info["shortfall"] = f"{in_file} of {num_prompts} prompts asked: {path} has {in_file}"
+    elif len(prompts) < in_file:
+        info["shortfall"] = f"the first {len(prompts)} of the {in_file} prompts in {path} (num_prompts={num_prompts})"
+    if not in_file:
+        info["shortfall"] = f"no prompts in {path}"
+        return prompts, info
+    try:
+        train = load_documents(record["sources"], "train", **corpus_kwargs(record))
+    except DFlash2Error as e:  # trained elsewhere: say the check was not made, and why
+        info["train_split_check"] = {"passed": None, "not_made_because": str(e)}
+        log.warning("prompts were not checked against the drafter's train split: %s", e)
+    else:
+        info["train_split_check"] = check_not_from_train(prompts, train)
+    return prompts, info
 
 
 def jsonl_prompts(path, tokenizer, *, num_prompts: int | None = None, chat_template: bool = True) -> list[Prompt]:
-    """Prompts of a jsonl file; a line that is not a JSON object with a non-empty "prompt" string
-    (or a "messages" list with a user turn) raises DFlash2Error naming the file and line."""
+    """The first ``num_prompts`` (None: all) prompts of a jsonl file; a line that is not a JSON object with
+    a non-empty "prompt" string (or a "messages" list with a user turn) raises DFlash2Error naming the
+    file and line."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise DFlash2Error(

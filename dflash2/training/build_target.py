@@ -40,7 +40,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from dflash2.corpus import corpus_fingerprint, load_documents
+from dflash2.corpus import corpus_fingerprint, load_documents, split_kwargs
 from dflash2.errors import DFlash2Error
 from dflash2.oom import explain_oom, knob_hints
 from dflash2.safe_load import load_torch_file
@@ -89,10 +89,7 @@ def target_cache_key(cfg: DictConfig) -> str:
 
 
 def _split_kwargs(cfg: DictConfig) -> dict:
-    return {
-        "validation_fraction": float(cfg.data.validation_fraction),
-        "heldout_fraction": float(cfg.data.heldout_fraction),
-    }
+    return split_kwargs(to_plain(cfg.data))
 
 
 def ensure_target(cfg: DictConfig) -> Path | str:
@@ -131,7 +128,7 @@ def _build_lock(final: Path):
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            print(f"[dflash2] waiting for another process that is building {final}", flush=True)
+            log.info(f"waiting for another process that is building {final}")
             fcntl.flock(handle, fcntl.LOCK_EX)
         yield  # unlocked when the file is closed
 
@@ -169,11 +166,7 @@ def _checkpoint_step(path: Path) -> int | None:
     except FileNotFoundError:
         return None
     except Exception as err:  # written atomically, so this needs a damaged disk or a foreign file
-        print(
-            f"[dflash2] ignoring unreadable target-build checkpoint {path} ({type(err).__name__}: {err}); "
-            "starting over",
-            flush=True,
-        )
+        log.warning(f"ignoring unreadable target-build checkpoint {path} ({type(err).__name__}: {err}); starting over")
         return None
 
 
@@ -205,7 +198,7 @@ def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
     started = time.time()
     L.seed_everything(seed, workers=True, verbose=False)
     sources = list(to_plain(cfg.data.sources)) + list(to_plain(recipe.get("extra_sources", [])) or [])
-    print(f"[dflash2] building target '{cfg.target.name}' (not in cache) -> {final}", flush=True)
+    log.info(f"building target '{cfg.target.name}' (not in cache) -> {final}")
     work = build_work_dir(final)
     work.mkdir(parents=True, exist_ok=True)
     resume_from = work / LAST_CKPT
@@ -213,7 +206,7 @@ def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
     if resume_step is None:
         resume_from.unlink(missing_ok=True)
     else:
-        print(f"[dflash2] resuming target build from step {resume_step} ({resume_from})", flush=True)
+        log.info(f"resuming target build from step {resume_step} ({resume_from})")
 
     train_docs = load_documents(sources, "train", **_split_kwargs(cfg))
     heldout_docs = load_documents(sources, "heldout", **_split_kwargs(cfg))
@@ -222,7 +215,7 @@ def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
             f"corpus {sources} gave {len(train_docs)} train and {len(heldout_docs)} held-out documents; "
             "add more sources"
         )
-    print(f"[dflash2] corpus: {len(train_docs)} train / {len(heldout_docs)} held-out documents", flush=True)
+    log.info(f"corpus: {len(train_docs)} train / {len(heldout_docs)} held-out documents")
 
     tokenizer = _work_tokenizer(
         work,
@@ -234,7 +227,7 @@ def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
     )
     train_tokens = encode_documents(tokenizer, _take_tokens(train_docs, tokenizer, int(recipe.max_train_tokens), seed))
     heldout_tokens = encode_documents(tokenizer, heldout_docs, show_progress=False)
-    print(f"[dflash2] tokens: {len(train_tokens):,} train / {len(heldout_tokens):,} held-out", flush=True)
+    log.info(f"tokens: {len(train_tokens):,} train / {len(heldout_tokens):,} held-out")
 
     from transformers import AutoModelForCausalLM
 
@@ -247,7 +240,7 @@ def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
     model = AutoModelForCausalLM.from_config(config)
     model.float()
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"[dflash2] target: {n_params / 1e6:.2f} M params, layers {config.layer_types}", flush=True)
+    log.info(f"target: {n_params / 1e6:.2f} M params, layers {config.layer_types}")
 
     steps = int(recipe.max_steps)
     dataset = RandomWindows(train_tokens, int(recipe.seq_len), steps * int(recipe.batch_size), seed)
@@ -322,7 +315,7 @@ def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
     else:
         os.replace(tmp, final)
     shutil.rmtree(work, ignore_errors=True)  # the target is in place: its checkpoints are no longer needed
-    print(format_target_report(info), flush=True)
+    log.info(format_target_report(info))
     return info
 
 
@@ -347,7 +340,7 @@ def _take_tokens(docs, tokenizer, max_tokens: int, seed: int):
 
 def format_target_report(info: dict) -> str:
     return (
-        f"[dflash2] target '{info['name']}': held-out CE {info['heldout_cross_entropy']:.3f} nats/token "
+        f"target '{info['name']}': held-out CE {info['heldout_cross_entropy']:.3f} nats/token "
         f"(ppl {info['heldout_perplexity']:.1f}) vs unigram {info['heldout_unigram_train_cross_entropy']:.3f} "
         f"(train-fitted) / {info['heldout_unigram_oracle_cross_entropy']:.3f} (fitted on the held-out text itself); "
         f"{info['params'] / 1e6:.2f} M params, built in {info['build_seconds']} s"

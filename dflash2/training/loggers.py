@@ -43,21 +43,32 @@ def _netrc_has_wandb() -> bool:
 
 
 def make_wandb_logger(
-    project: str = "dflash2", name: str | None = None, save_dir: str = ".", mode: str = "auto", **kwargs
+    project: str = "dflash2",
+    name: str | None = None,
+    save_dir: str = ".",
+    mode: str = "auto",
+    flush_seconds: float = 1.0,
+    **kwargs,
 ):
-    """A Lightning WandbLogger in the resolved mode (or None when mode is `disabled`)."""
+    """A WandbLogger in the resolved mode (or None when mode is `disabled`) whose history survives a
+    resume (dflash2/training/resumable_loggers.py)."""
     resolved = wandb_mode(mode)
     if resolved == "disabled":
         return None
     try:
-        import wandb  # noqa: F401  (Lightning's WandbLogger needs it; fail here with the fix instead)
+        import wandb  # Lightning's WandbLogger needs it; fail here with the fix instead
     except ImportError as err:
         raise DFlash2Error(
             "logger=wandb needs the wandb package: pip install wandb, or pick logger=csv or logger=tensorboard"
         ) from err
-    from lightning.pytorch.loggers import WandbLogger
+    from dflash2.training.resumable_loggers import ResumableWandbLogger
 
     os.environ["WANDB_MODE"] = resolved  # also governs wandb's own subprocess
     os.environ.setdefault("WANDB_SILENT", "true")
     Path(save_dir).mkdir(parents=True, exist_ok=True)
-    return WandbLogger(project=project, name=name, save_dir=save_dir, offline=resolved == "offline", **kwargs)
+    # wandb writes the run's local log (the only copy offline) every 15 s by default: a killed run would
+    # lose up to 15 s of rows, some from before its checkpoint, which the resumed run does not log again.
+    # The setting is a private one of wandb's; an SDK without it keeps its default.
+    if "settings" not in kwargs and "x_transaction_log_flush_interval" in getattr(wandb.Settings, "model_fields", {}):
+        kwargs["settings"] = wandb.Settings(x_transaction_log_flush_interval=float(flush_seconds))
+    return ResumableWandbLogger(project=project, name=name, save_dir=save_dir, offline=resolved == "offline", **kwargs)

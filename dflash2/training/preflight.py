@@ -82,7 +82,7 @@ def check_drafter_files(cfg, output_dir: Path) -> None:
 
 
 def read_resume_checkpoint(path: str) -> dict:
-    """The ``dflash2`` metadata of an intact drafter checkpoint at ``path``, else a one-line error.
+    """The intact drafter checkpoint at ``path`` (with its ``dflash2`` metadata), else a one-line error.
 
     Lightning would otherwise fail deep inside ``fit`` with a zip or
     state-dict traceback. Loaded memory-mapped (the tensors are not read) and
@@ -103,18 +103,20 @@ def read_resume_checkpoint(path: str) -> dict:
             f"ckpt_path={path} is not a dflash2 drafter training checkpoint; "
             "pass a .ckpt written by train.py task=drafter"
         )
-    return meta
+    return ckpt
 
 
-def check_resume_checkpoint(path: str, config: DrafterConfig) -> None:
-    """``ckpt_path`` must be an intact drafter checkpoint of this run's architecture."""
-    meta = read_resume_checkpoint(path)
-    differ = drafter_config_differences(dict(meta["drafter_config"]), config.to_dict())
+def check_resume_checkpoint(path: str, config: DrafterConfig) -> int:
+    """``ckpt_path`` must be an intact drafter checkpoint of this run's architecture; returns its
+    global step (where the resumed run's logs continue)."""
+    ckpt = read_resume_checkpoint(path)
+    differ = drafter_config_differences(dict(ckpt["dflash2"]["drafter_config"]), config.to_dict())
     if differ:
         raise DFlash2Error(
             f"ckpt_path={path} was trained with another drafter config ({', '.join(differ[:4])}); "
             "resume with the run's original target and drafter settings, or start a new run"
         )
+    return int(ckpt.get("global_step", 0))
 
 
 def drafter_config_differences(saved: dict, now: dict) -> list[str]:

@@ -17,14 +17,17 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from dflash2.errors import DFlash2Error
+from dflash2.logging_setup import send_lightning_logs_to_root
 from dflash2.target import check_target_source
 from dflash2.training.build_target import BUILD_INFO, ensure_target, format_target_report, publish_target
 from dflash2.training.preflight import check_drafter_files
+from dflash2.training.resumable_loggers import resume_histories
 
 log = logging.getLogger(__name__)
 
 
 def run_from_config(cfg: DictConfig) -> dict:
+    send_lightning_logs_to_root()  # Lightning's lines once, in the run's format and log file
     output_dir = Path(cfg.paths.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     if cfg.task not in ("target", "drafter"):
@@ -35,19 +38,19 @@ def run_from_config(cfg: DictConfig) -> dict:
     source = ensure_target(cfg)
     check_target_source(str(source))  # a damaged folder fails here, before it is copied into the run
     target_dir = publish_target(source, output_dir)
-    print(f"[dflash2] target: {target_dir}", flush=True)
+    log.info(f"target: {target_dir}")
     summary: dict = {"output_dir": str(output_dir), "target": str(target_dir)}
     info_file = Path(str(target_dir)) / BUILD_INFO
     if info_file.exists():
         info = json.loads(info_file.read_text())
         summary["target_build"] = {k: v for k, v in info.items() if k != "recipe"}
-        print(format_target_report(info), flush=True)
+        log.info(format_target_report(info))
     if cfg.task == "drafter":
         from dflash2.training.train_drafter import train_drafter
 
         summary["drafter"] = train_drafter(cfg, target_dir, output_dir)
     (output_dir / "run_summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    print(f"[dflash2] done; everything is under {output_dir} (run_summary.json)", flush=True)
+    log.info(f"done; everything is under {output_dir} (run_summary.json)")
     return summary
 
 
@@ -64,13 +67,17 @@ def instantiate_user_facing(node: DictConfig):
         raise
 
 
-def instantiate_loggers(cfg: DictConfig) -> list:
+def instantiate_loggers(cfg: DictConfig, resume_step: int | None = None) -> list:
+    """The run's loggers; with ``resume_step`` (the checkpoint's global step) they continue the run's
+    logs instead of starting them over (dflash2/training/resumable_loggers.py)."""
     loggers = []
     for node in (cfg.get("logger") or {}).values():
         if node is not None and "_target_" in node:
             logger = instantiate_user_facing(node)
             if logger is not None:
                 loggers.append(logger)
+    if resume_step is not None:
+        resume_histories(loggers, resume_step)
     return loggers
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import lightning as L
@@ -11,6 +12,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from dflash2.data.regenerate import regenerate_split
+from dflash2.data.split_record import training_data_record
 from dflash2.drafter.from_target import check_drafter_matches_target, drafter_config_for_target
 from dflash2.drafter.io import load_drafter, save_drafter
 from dflash2.drafter.model import DFlashDrafter
@@ -29,6 +31,8 @@ from dflash2.training.preflight import (
     resolve_ckpt_path,
 )
 from dflash2.training.run import instantiate_callbacks, instantiate_loggers, regeneration_device
+
+log = logging.getLogger(__name__)
 
 # Memory savers that are not a smaller size: half precision, and the same batch in smaller pieces.
 OOM_TRAINING_ADVICE = (
@@ -63,11 +67,12 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     else:
         torch.manual_seed(seed)
         drafter = DFlashDrafter(config)
+    # Saved with the drafter (and its checkpoints): evaluation draws held-out prompts from this split.
+    drafter.config.training_data = training_data_record(data, seed)
     check_blocks_fit_the_data(drafter.config, int(settings["num_anchors"]), data)
     check_sequences_fit_the_context(data, config.max_position_embeddings)
     resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
-    if resume_from is not None:
-        check_resume_checkpoint(resume_from, drafter.config)
+    resume_step = check_resume_checkpoint(resume_from, drafter.config) if resume_from is not None else None
 
     cache_dir = Path(cfg.paths.cache_dir)
     device = regeneration_device(cfg)
@@ -81,16 +86,13 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
             "validation",
         )
     target.model.cpu()
-    print(
-        f"[dflash2] data: {len(train_ds)} train / {len(val_ds)} validation regenerated sequences "
-        f"(cache {cache_dir / 'data'})",
-        flush=True,
+    log.info(
+        f"data: {len(train_ds)} train / {len(val_ds)} validation regenerated sequences (cache {cache_dir / 'data'})"
     )
     n_params = sum(p.numel() for p in drafter.parameters())
-    print(
-        f"[dflash2] drafter: {settings['version']} "
-        f"({n_params / 1e6:.2f} M params, block {config.block_size}, taps {config.target_layer_ids})",
-        flush=True,
+    log.info(
+        f"drafter: {settings['version']} "
+        f"({n_params / 1e6:.2f} M params, block {config.block_size}, taps {config.target_layer_ids})"
     )
 
     total_steps = int(cfg.trainer.max_steps)
@@ -123,14 +125,14 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
         pad_id=pad_id,
         num_workers=int(data["num_workers"]),
     )
-    loggers = instantiate_loggers(cfg)
+    loggers = instantiate_loggers(cfg, resume_step)
     trainer: L.Trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=instantiate_callbacks(cfg))
     with explain_oom("drafter training", knob_hints(cfg, TRAINING_KNOBS), extra=OOM_TRAINING_ADVICE):
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
 
     drafter_dir = output_dir / "drafter"
     save_drafter(drafter.float().cpu(), drafter_dir)
-    print(f"[dflash2] drafter saved to {drafter_dir}", flush=True)
+    log.info(f"drafter saved to {drafter_dir}")
 
     with explain_oom(
         "the held-out report",
@@ -143,7 +145,8 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     report["steps"] = int(trainer.global_step)
     report["drafter_dir"] = str(drafter_dir)
     (output_dir / "train_summary.json").write_text(json.dumps(report, indent=2))
-    print(format_heldout_report(report), flush=True)
+    for line in heldout_report_lines(report):
+        log.info(line)
     return report
 
 
@@ -208,17 +211,14 @@ def heldout_report(
     return report
 
 
-def format_heldout_report(r: dict) -> str:
+def heldout_report_lines(r: dict) -> list[str]:
     acc = " ".join(f"{a:.2f}" for a in r["heldout_acc_per_position"])
     base = " ".join(f"{a:.2f}" for a in r["baseline_acc_per_position"])
     lines = [
-        f"[dflash2] held-out per-position top-1 accuracy ({r['heldout_blocks']} blocks): {acc}",
-        f"[dflash2]   baseline (always token {r['baseline_most_frequent_token']}):            {base}",
-        (
-            f"[dflash2]   acceptance estimate tau = {r['heldout_tau_estimate']:.3f} "
-            f"(baseline {r['baseline_tau_estimate']:.3f})"
-        ),
+        f"held-out per-position top-1 accuracy ({r['heldout_blocks']} blocks): {acc}",
+        f"  baseline (always token {r['baseline_most_frequent_token']}):            {base}",
+        f"  acceptance estimate tau = {r['heldout_tau_estimate']:.3f} (baseline {r['baseline_tau_estimate']:.3f})",
     ]
     if "heldout_selector_tau_estimate" in r:
-        lines.append(f"[dflash2]   selector path tau estimate = {r['heldout_selector_tau_estimate']:.3f}")
-    return "\n".join(lines)
+        lines.append(f"  selector path tau estimate = {r['heldout_selector_tau_estimate']:.3f}")
+    return lines
