@@ -188,7 +188,8 @@ def test_cli_uses_the_recorded_split_and_records_it(folders, tmp_path, monkeypat
     assert res["prompt_set"]["prompts"] == recorded["prompts"]  # same split, same seed: same prompts
 
 
-def test_cli_says_when_fewer_prompts_were_evaluated(folders, tmp_path, monkeypatch, capsys):
+def test_cli_says_when_fewer_prompts_were_evaluated(folders, tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="dflash2")
     root = folders["root"]
     path = _file(tmp_path, [f"x{i} = {i}" for i in range(24)])
     _cli(
@@ -200,8 +201,8 @@ def test_cli_says_when_fewer_prompts_were_evaluated(folders, tmp_path, monkeypat
         "max_new_tokens=4",
         f"paths.output_dir={tmp_path / 'out'}",
     )
-    out = capsys.readouterr().out
-    assert f"note: evaluated 16 prompts (asked 16, given 16): the first 16 of the 24 prompts in {path}" in out
+    note = f"note: evaluated 16 prompts (asked 16, given 16): the first 16 of the 24 prompts in {path}"
+    assert any(m.startswith(note) for m in caplog.messages)  # the CLI's console lines are log records
     res = json.loads((tmp_path / "out" / "results.json").read_text())
     assert res["num_prompts"] == 16 and res["settings"]["num_prompts_asked"] == 16
     assert res["prompt_set"]["in_file"] == 24
