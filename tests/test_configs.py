@@ -131,7 +131,7 @@ def test_eval_acceptance_config_composes_with_its_prompt_options(tmp_path):
     from dflash2.eval.acceptance_cli import CONFIG_NAME, register_configs
     from dflash2.eval.sampled_prompts import POSITIONS
 
-    register_configs()  # the primary config and the hydra/job_logging it selects, as the CLI does
+    register_configs()  # what the CLI does: the eval config and the job_logging it selects
     GlobalHydra.instance().clear()
     with initialize(version_base="1.3", config_path=None):
         cfg = compose(CONFIG_NAME, overrides=["drafter=d", "seed=7", f"paths.output_dir={tmp_path}"])
@@ -139,3 +139,23 @@ def test_eval_acceptance_config_composes_with_its_prompt_options(tmp_path):
     OmegaConf.resolve(cfg)
     assert cfg.prompts == "heldout" and cfg.num_prompts is None  # a prompts file is evaluated whole
     assert cfg.prompt_seed == 7 and cfg.prompt_position in POSITIONS and cfg.prompts_per_document == 1
+
+
+@pytest.mark.parametrize("overrides", [[], ["shape=qwen3_8b", "batch_sizes=[1]"], ["target=T", "drafter=D", "runs=5"]])
+def test_eval_speedup_config_composes(overrides, tmp_path):
+    """configs/eval_speedup.yaml composes (through the ConfigStore, as `python -m eval.speedup` loads it)."""
+    from hydra import initialize
+    from hydra.core.config_store import ConfigStore
+
+    from dflash2.eval.acceptance_cli import config_file
+    from dflash2.eval.speedup_cli import CONFIG_NAME
+
+    ConfigStore.instance().store(name=CONFIG_NAME, node=OmegaConf.load(config_file(CONFIG_NAME)))
+    GlobalHydra.instance().clear()
+    with initialize(version_base="1.3", config_path=None):
+        cfg = compose(CONFIG_NAME, overrides=[f"paths.output_dir={tmp_path}", *overrides])
+    GlobalHydra.instance().clear()
+    assert list(cfg.batch_sizes) in ([1, 8], [1]) and cfg.dtype == "bfloat16" and cfg.max_new_tokens > 0
+    assert cfg.paths.output_dir == str(tmp_path)
+    if overrides:
+        assert cfg.shape == "qwen3_8b" or (cfg.target, cfg.drafter, cfg.runs) == ("T", "D", 5)

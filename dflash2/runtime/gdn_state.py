@@ -141,14 +141,52 @@ class GDNState:
         )
         self.num_k_heads, self.head_k_dim = num_k_heads, head_k_dim
         self.logs: list[GDNLog | None] = [None] * num_layers
+        self._static: dict[int, list[GDNLog]] = {}  # T -> per-layer logs at fixed addresses (reserve)
+
+    def reserve(self, T: int) -> None:
+        """Preallocate the logs of T-token verifies: later verifies of T tokens write into them.
+
+        Why: a captured verify graph and a captured commit graph must meet at the same addresses,
+        whichever verify graph (one per attended-length bucket) ran last.
+        """
+        if T in self._static:
+            return
+        L, N, C = self.conv.shape[:3]
+        H, dk, dv = self.rec.shape[2:]
+        f32 = dict(dtype=torch.float32, device=self.rec.device)
+        self._static[T] = [
+            GDNLog(
+                x=torch.zeros(N, T, C, dtype=self.conv.dtype, device=self.conv.device),
+                k=torch.zeros(N, T, H, dk, **f32),
+                u=torch.zeros(N, T, H, dv, **f32),
+                g=torch.zeros(N, T, H, **f32),
+            )
+            for _ in range(L)
+        ]
+
+    def use_static(self, T: int) -> None:
+        """Point the logs a commit folds at the reserved T-token logs (what the last T-token verify wrote)."""
+        self.logs = list(self._static[T])
+
+    def reset(self) -> None:
+        """Empty prefix for every row (zero states), as a new generation starts."""
+        self.conv.zero_()
+        self.rec.zero_()
+        self.logs = [None] * len(self.logs)
 
     def verify(
         self, slot: int, x: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
     ) -> torch.Tensor:
         """Layer ``slot``: x (N, T, C) pre-conv, conv_weight (C, 1, K), g / beta (N, T, H) -> o (N, T, H, d_v)."""
-        o, self.logs[slot] = gdn_verify(
-            x, self.conv[slot], conv_weight, self.rec[slot], g, beta, self.num_k_heads, self.head_k_dim
-        )
+        o, log = gdn_verify(x, self.conv[slot], conv_weight, self.rec[slot], g, beta, self.num_k_heads, self.head_k_dim)
+        static = self._static.get(x.shape[1])
+        if static is not None:  # copy into the fixed addresses (small: T tokens of one layer)
+            for dst, src in zip(
+                (static[slot].x, static[slot].k, static[slot].u, static[slot].g), (log.x, log.k, log.u, log.g)
+            ):
+                dst.copy_(src)
+            log = static[slot]
+        self.logs[slot] = log
         return o
 
     def commit(self, n: torch.Tensor) -> None:
