@@ -263,8 +263,11 @@ class DFlashDrafter(nn.Module):
 
     # ------------------------------------------------------------------ core
     def fuse_context(self, taps: torch.Tensor) -> torch.Tensor:
-        """taps (N, L, K·d_t) concatenated target features -> c (N, L, d)."""
-        return self.hidden_norm(self.fc(taps))
+        """taps (N, L, K·d_t) concatenated target features, any float dtype -> c (N, L, d).
+
+        The taps are cast to the drafter's own dtype: a bf16 target feeds an fp32 drafter
+        in training (fp32 master weights) and a bf16 or fp32 one when served."""
+        return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
 
     def embed_block(self, ids: torch.Tensor, embed_fn: Callable) -> torch.Tensor:
         """Block ids (N, S) -> (N, S, d): the target's frozen embedding times ``input_embedding_scale`` (§3.4)."""

@@ -9,6 +9,7 @@ from dflash2.runtime.models.llama import Llama
 from dflash2.runtime.models.loading import assign_weights, load_weights, parse_dtype, read_text_config
 from dflash2.runtime.models.qwen3 import Qwen3
 from dflash2.runtime.models.qwen3_5 import Qwen3_5
+from dflash2.text_model import text_config
 
 # HF text model_type -> runtime class
 FAMILIES: dict[str, type[RuntimeCausalLM]] = {
@@ -50,7 +51,7 @@ def from_hf_model(hf_model, *, target_layer_ids=()) -> RuntimeCausalLM:
     (those become copies); the rest stays shared.
     """
     config = hf_model.config
-    text = config.get_text_config()
+    text = text_config(config)
     family = FAMILIES.get(text.model_type)
     if family is None:
         raise NotImplementedError(
