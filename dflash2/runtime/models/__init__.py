@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from dflash2.runtime.gdn_state import GDN_MODES
 from dflash2.runtime.models.base import ModelOutput, RuntimeCausalLM
 from dflash2.runtime.models.llama import Llama
 from dflash2.runtime.models.loading import load_weights, parse_dtype, read_text_config
@@ -18,11 +19,13 @@ FAMILIES: dict[str, type[RuntimeCausalLM]] = {
 }
 
 
-def load_model(folder, *, dtype=None, device="cpu", target_layer_ids=()) -> RuntimeCausalLM:
+def load_model(folder, *, dtype=None, device="cpu", target_layer_ids=(), gdn_mode="reference") -> RuntimeCausalLM:
     """The runtime model of the HF checkpoint in ``folder`` (config.json + *.safetensors).
 
     dtype: None/'auto' keeps the stored dtype; else a torch.dtype or 'bfloat16'/'float16'/'float32'.
     target_layer_ids: layers whose outputs the forward returns as taps (see ``RuntimeCausalLM.set_taps``).
+    gdn_mode: GDN state implementation of hybrids, 'reference' (plain PyTorch) | 'replay' (Triton
+    ReplaySSM) | 'native' (Triton, native rollback); see dflash2.runtime.gdn_state.
     The result is in eval mode with gradients off (a frozen target).
     """
     folder = str(folder)
@@ -39,6 +42,9 @@ def load_model(folder, *, dtype=None, device="cpu", target_layer_ids=()) -> Runt
     load_weights(model, folder, dtype, device, tie)
     model.to(device)  # non-parameter state (RoPE frequencies) built on the CPU
     model.set_taps(target_layer_ids)
+    if gdn_mode not in GDN_MODES:
+        raise ValueError(f"gdn_mode {gdn_mode!r}: expected one of {GDN_MODES}")
+    model.gdn_mode = gdn_mode
     return model.eval().requires_grad_(False)
 
 

@@ -11,7 +11,7 @@ Differences from Qwen3 (qwen3.py), all taken from the HF config / checkpoint:
 * attention: q_proj emits [q_h | gate_h] per head, output · sigmoid(gate) before o_proj;
   RoPE on the first ``partial_rotary_factor`` · D dims of each head only (default 1/4);
   text-only positions make Qwen3.5's multimodal RoPE sections all equal, i.e. plain RoPE;
-* GDN layers (gdn_state.py for the state math): in_proj_qkv -> depthwise causal conv
+* GDN layers (gdn_state.py for the state math, its ``mode`` for the kernels): in_proj_qkv -> depthwise causal conv
   (kernel K) + SiLU -> q, k (L2-normed), v; decay g and write strength β from
   in_proj_a / in_proj_b; output RMSNorm gated by silu(in_proj_z), then out_proj.
 
@@ -24,7 +24,6 @@ is not covered by this file.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dflash2.runtime.cache import DecodeState
@@ -76,10 +75,9 @@ class GatedDeltaNet(nn.Module):
         N, T, _ = x.shape
         qkv = self.in_proj_qkv(x)  # (N, T, C), logged pre-conv for the conv-window commit
         z = self.in_proj_z(x).view(N, T, self.h, self.dv)
-        beta = torch.sigmoid(self.in_proj_b(x))  # (N, T, H) write strength
-        # log decay, fp32 (in bf16, exp(A_log) · softplus would lose the small decays)
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # (N, T, H)
-        o = gdn.verify(slot, qkv, self.conv_weight, g, beta)  # (N, T, H, dv)
+        # decay g and write strength β are computed from a, b inside verify (fused in the kernel)
+        a, b = self.in_proj_a(x), self.in_proj_b(x)  # (N, T, H) each
+        o = gdn.verify(slot, qkv, self.conv_weight, a, b, self.A_log, self.dt_bias)  # (N, T, H, dv)
         return self.out_proj(self.norm(o, z).reshape(N, T, self.h * self.dv))
 
 
