@@ -27,3 +27,12 @@ def check_device(*tensors: torch.Tensor) -> None:
             "Triton kernels on CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 in the "
             "environment before triton is first imported (or use mode='reference' on CPU)"
         )
+
+
+def default_warps(tile_elements: int) -> int:
+    """Warps per program so that its register tiles stay ≤ ~64 fp32 values per thread (no spills):
+    a power of two in 1..8. A starting point; the benchmark (dflash2/runtime/bench_gdn.py) tunes."""
+    warps = 1
+    while warps < 8 and tile_elements > 64 * 32 * warps:
+        warps *= 2
+    return warps

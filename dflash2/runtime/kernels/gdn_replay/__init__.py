@@ -11,7 +11,7 @@ import triton
 
 from dflash2.runtime.kernels.gdn_log import GDNLog
 from dflash2.runtime.kernels.gdn_replay.kernel import launch_replay
-from dflash2.runtime.kernels.triton_util import check_device
+from dflash2.runtime.kernels.triton_util import check_device, default_warps
 
 
 def gdn_replay_triton(
@@ -50,7 +50,7 @@ def gdn_replay_triton(
         k, u, g, states = log.k, log.u, log.g, log.u
         hk = log.k.shape[2]
     bv = block_v or min(triton.next_power_of_2(dv), 16)
-    warps = num_warps or (1 if triton.next_power_of_2(dk) * bv <= 2048 else 4)
+    warps = num_warps or default_warps(triton.next_power_of_2(dk) * bv)
     launch_replay(
         conv_state, rec_state, log.x, k, u, g, states, n, num_k_heads=hk, native=log.native, block_v=bv, num_warps=warps
     )

@@ -12,7 +12,7 @@ import triton
 
 from dflash2.runtime.kernels.gdn_log import GDNLog
 from dflash2.runtime.kernels.gdn_verify.kernel import launch_verify
-from dflash2.runtime.kernels.triton_util import check_device
+from dflash2.runtime.kernels.triton_util import check_device, default_warps
 
 
 def gdn_verify_triton(
@@ -68,8 +68,10 @@ def gdn_verify_triton(
         states = u  # unused by the ReplaySSM variant
     if T == 0 or N == 0:
         return o, log
-    bv = block_v or min(triton.next_power_of_2(dv), 16)
-    warps = num_warps or (1 if triton.next_power_of_2(dk) * bv <= 2048 else 4)
+    bk, bv = triton.next_power_of_2(dk), block_v or min(triton.next_power_of_2(dv), 16)
+    bt = block_t or min(triton.next_power_of_2(T), 16)
+    # registers: the state tile, the q/k tiles of a chunk, its v / output / u tiles
+    warps = num_warps or default_warps(bk * bv + 2 * bt * bk + 3 * bt * bv)
     launch_verify(
         x,
         conv_state,
@@ -87,7 +89,7 @@ def gdn_verify_triton(
         num_k_heads=num_k_heads,
         native=native,
         block_v=bv,
-        block_t=block_t or min(triton.next_power_of_2(T), 16),
+        block_t=bt,
         num_warps=warps,
     )
     return o, log
