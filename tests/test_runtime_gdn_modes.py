@@ -11,6 +11,7 @@ test_runtime_gdn_kernels.py.)
 """
 
 import pytest
+import torch
 from conftest import nontrivial_dflash2, spec_drafter
 from test_runtime_engine import PROMPTS, ScriptedProposer
 
@@ -71,8 +72,12 @@ def test_random_drafter_and_ar_equal_greedy(hybrid, device):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["replay", "native"])
-def test_long_generation_on_the_gpu_equals_reference_mode(hf_targets, mode):
-    """fp32 on the GPU, 300 tokens: the Triton modes emit what the plain-PyTorch GDN path emits."""
+def test_long_generation_on_the_gpu_equals_reference_mode(hf_targets, mode, monkeypatch):
+    """fp32 on the GPU, 300 tokens: the Triton modes emit what the plain-PyTorch GDN path emits,
+    eager and as CUDA graphs (the kernels captured, logs re-pointed after each replay)."""
+    from dflash2.runtime.graphs import GraphedTarget
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # the reference conv in full fp32
     hf, folder = hf_targets["qwen3_5"]
     target = TargetModel(hf, target_layer_ids=TAPS)
     drafter = nontrivial_dflash2(spec_drafter(target, 8, v2=True, seed=4)).cuda()
@@ -80,5 +85,8 @@ def test_long_generation_on_the_gpu_equals_reference_mode(hf_targets, mode):
     for m in ("reference", mode):
         model = load_model(folder, target_layer_ids=TAPS, gdn_mode=m, device="cuda")
         out[m] = generate_spec(model, RuntimeDrafter(drafter, model), PROMPTS, 300).sequences
-        assert out[m] == generate_ar(model, PROMPTS, 300)
+        assert out[m] == generate_ar(model, PROMPTS, 300), m
     assert out[mode] == out["reference"]
+    graphed = GraphedTarget(load_model(folder, target_layer_ids=TAPS, gdn_mode=mode, device="cuda"))
+    assert generate_spec(graphed, RuntimeDrafter(drafter, graphed), PROMPTS, 300).sequences == out[mode]
+    assert graphed.captures > 0
