@@ -19,7 +19,13 @@ nothing at ``out``):
 * :func:`check_mask_token`    ``mask_token_id`` inside the target vocab;
 * :func:`check_rope`          neox-style (rotate-half) RoPE, default rope type, and
                               ``rope_theta`` equal to the target's;
-* :func:`check_target_sizes`  hidden size / tap width / vocab vs the target.
+* :func:`check_target_sizes`  hidden size / tap width / vocab vs the target;
+* :func:`check_serving_scales` no serving scale in a ``DFlashDraftModel`` (vLLM's v1
+                              loader ignores them).
+
+A DFlash2 drafter with only one of the two additions gets an exact filler for the
+other (:mod:`dflash2.export_fill`), since engines always build both. Fields of a source
+folder's config.json that dflash2 does not write are carried over unchanged.
 
 The target is read as a config only (``transformers.AutoConfig``, no weights), from
 ``target=`` or, when that is omitted, from the drafter's recorded
@@ -39,6 +45,7 @@ import torch
 
 from dflash2.drafter.config import DrafterConfig
 from dflash2.errors import DFlash2Error
+from dflash2.export_fill import fill_missing_addition
 from dflash2.logging_setup import configure_console_logging
 from dflash2.safe_load import UnsafeFileError, load_torch_file
 
@@ -407,6 +414,19 @@ def check_target_sizes(config: DrafterConfig, target: TargetInfo | None) -> None
         )
 
 
+def check_serving_scales(config: DrafterConfig, fmt: str) -> None:
+    """vLLM applies ``input_embedding_scale`` / ``output_multiplier`` / ``final_logit_softcapping`` in its
+    DFlash2 loader only; its DFlash (v1) loader ignores them (z-lab's applies them): drafts would differ."""
+    if fmt != "dflash":
+        return
+    used = [f"{k}={v}" for k, v in config.serving_scales.items()]
+    if used:
+        raise DFlash2Error(
+            f"the drafter sets {', '.join(used)}, which vLLM's DFlashDraftModel loader ignores (only its "
+            "DFlash2 loader applies them); serve it as a DFlash2 drafter or retrain without the scales"
+        )
+
+
 # ------------------------------------------------------------------ export
 def export_info(config: DrafterConfig, fmt: str, target: TargetInfo | None, source: DrafterSource, dtype) -> dict:
     """Informational ``config.json`` section. It lives under its own key because vLLM reads
@@ -470,6 +490,8 @@ def model_card(config: DrafterConfig, fmt: str, info: dict, source: DrafterSourc
             f"{config.conv_kernel_size}, group {config.conv_group_size}), candidate selector "
             f"{'on' if config.use_selector else 'off'} (rank {config.selector_rank}, top-k {config.selector_top_k})\n"
         )
+    for note in info.get("filled") or []:
+        v2 += f"- Filled at export (the checkpoint has no such module): {note}\n"
     checked = "yes" if info["target_checked"] else "no, not available locally"
     shape = (
         f"Block size {B}, {config.num_hidden_layers} layer(s), hidden {config.hidden_size}, "
@@ -484,7 +506,7 @@ Exported by `python -m dflash2.export` ({fmt} format, {info["dtype"]} weights).
 - Training data: {_data_summary(source)}
 - Measured τ (mean tokens per verify step incl. bonus, dflash2.eval.acceptance): {tau_line}
 - {shape}
-{v2}
+{_contract_lines(config)}{v2}
 ## Layer-id convention
 
 `dflash_config.target_layer_ids` = {list(config.target_layer_ids)} are **DFlash ids**: 0-based decoder
@@ -509,7 +531,26 @@ from vllm import LLM
 llm = LLM(model="{info["target"]}",
           speculative_config={{"method": "dflash", "model": "{out_dir}", "num_speculative_tokens": {B - 1}}})
 ```
+
+`num_speculative_tokens` must equal `block_size − 1` = {B - 1}: the drafter was trained on blocks of {B}
+(anchor + {B - 1} masks), and vLLM's DFlash2 convolution takes its block from
+`1 + num_speculative_tokens`, so another value silently moves the conv's block boundaries.
 """
+
+
+def _contract_lines(config: DrafterConfig) -> str:
+    """Card lines for the published-contract fields a drafter sets (ARCHITECTURE.md §3.4); none by default."""
+    lines = ""
+    if config.has_sliding_layers:
+        n = config.layer_kinds.count("sliding_attention")
+        lines += (
+            f"- Attention: {n} of {config.num_hidden_layers} layer(s) sliding_attention, window "
+            f"{config.sliding_window} (keys with |query − key position| < window), non-causal\n"
+        )
+    scales = [f"{name} {value}" for name, value in config.serving_scales.items()]
+    if scales:
+        lines += f"- Serving scales (dflash_config): {', '.join(scales)}\n"
+    return lines
 
 
 def export_drafter(source, out_dir, *, fmt: str = "auto", dtype: torch.dtype = torch.bfloat16, target=None) -> Path:
@@ -533,6 +574,10 @@ def export_drafter(source, out_dir, *, fmt: str = "auto", dtype: torch.dtype = t
     check_mask_token(config, tgt)
     check_rope(config, tgt, src.raw_config if src.raw_config is not None else hf_config(config, dtype))
     check_target_sizes(config, tgt)
+    check_serving_scales(config, fmt)
+    tensors, filled = src.tensors, []
+    if fmt == "dflash2":
+        config, tensors, filled = fill_missing_addition(config, tensors)
 
     if tgt is not None:  # record what was checked, so a loader / reader sees the target
         if config.target_name_or_path is None:
@@ -542,14 +587,30 @@ def export_drafter(source, out_dir, *, fmt: str = "auto", dtype: torch.dtype = t
     with torch.device("meta"):
         drafter = DFlashDrafter(config)
     drafter.load_state_dict(
-        {k: v.float() if v.is_floating_point() else v for k, v in src.tensors.items()}, strict=True, assign=True
+        {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, strict=True, assign=True
     )
     out_dir = Path(out_dir)
     info = export_info(config, fmt, tgt, src, dtype)
+    info["filled"] = filled
     card = model_card(config, fmt, info, src, out_dir.resolve())
-    return save_drafter(
-        drafter, out_dir, dtype=dtype, extra_config={EXPORT_INFO_KEY: info}, extra_files={"README.md": card}
-    )
+    extra = carried_fields(src.raw_config, hf_config(config, dtype))
+    extra[EXPORT_INFO_KEY] = info
+    return save_drafter(drafter, out_dir, dtype=dtype, extra_config=extra, extra_files={"README.md": card})
+
+
+def carried_fields(raw: dict | None, written: dict) -> dict:
+    """What a source folder's config.json holds beyond what we write (``written``: ``hf_config``), kept as it was.
+
+    E.g. a z-lab folder's token ids, ``max_window_layers`` or ``transformers_version``: re-exporting
+    a published drafter keeps its config. Fields that change what engines compute are read (and,
+    when dflash2 cannot honour them, refused) by the folder check before we get here."""
+    if not raw:
+        return {}
+    out = {k: v for k, v in raw.items() if k not in written and k not in ("dflash2", EXPORT_INFO_KEY)}
+    source_dc = raw.get("dflash_config")
+    if isinstance(source_dc, dict):
+        out["dflash_config"] = {**source_dc, **written["dflash_config"]}
+    return out
 
 
 # ------------------------------------------------------------------ CLI

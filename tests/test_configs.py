@@ -127,12 +127,11 @@ def test_hydra_record_lands_in_the_run_folder(tmp_path):
 def test_eval_acceptance_config_composes_with_its_prompt_options(tmp_path):
     """configs/eval_acceptance.yaml (a ConfigStore primary config, outside the training groups)."""
     from hydra import initialize
-    from hydra.core.config_store import ConfigStore
 
-    from dflash2.eval.acceptance_cli import CONFIG_NAME, config_file
+    from dflash2.eval.acceptance_cli import CONFIG_NAME, register_configs
     from dflash2.eval.sampled_prompts import POSITIONS
 
-    ConfigStore.instance().store(name=CONFIG_NAME, node=OmegaConf.load(config_file()))
+    register_configs()  # what the CLI does: the eval config and the job_logging it selects
     GlobalHydra.instance().clear()
     with initialize(version_base="1.3", config_path=None):
         cfg = compose(CONFIG_NAME, overrides=["drafter=d", "seed=7", f"paths.output_dir={tmp_path}"])

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dflash2.drafter import DFlashDrafter, DrafterConfig, block_mask_mod, dense_block_mask
+from dflash2.drafter.masks import sliding_window_mask
 
 
 def loop_mask(anchors, valid, L, B):
@@ -61,8 +62,32 @@ def test_mask_mod_matches_dense_on_cpu():
     assert torch.equal(flexm.expand(2, 1, S, L + S), dense_block_mask(anchors, valid, L, B))
 
 
+@pytest.mark.parametrize("W", [1, 3, 6])
+def test_sliding_window_masks_match_a_loop(W):
+    """|q − k| < W on absolute positions, the dense form (mask AND window) and the flex mask_mod."""
+    L, B = 11, 4
+    anchors, valid = random_anchors(N=2, A=3, L=L, seed=2)
+    S = 3 * B
+    q_pos = (anchors[:, :, None] + torch.arange(B)).view(2, S)  # (N, S)
+    keys = torch.cat([torch.arange(L).expand(2, L), q_pos], dim=1)  # (N, L+S)
+    dense = dense_block_mask(anchors, valid, L, B) & sliding_window_mask(q_pos, keys, W)
+    for n in range(2):
+        for i in range(S):
+            for k in range(L + S):
+                inside = abs(int(q_pos[n, i]) - int(keys[n, k])) < W
+                assert bool(dense[n, 0, i, k]) == (bool(dense_block_mask(anchors, valid, L, B)[n, 0, i, k]) and inside)
+    assert dense[:, 0].any(-1).all()  # every query still sees itself
+    b = torch.arange(2)[:, None, None, None]
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+    q = torch.arange(S)[None, None, :, None]
+    kv = torch.arange(L + S)[None, None, None, :]
+    flexm = block_mask_mod(anchors, valid, L, B, W)(b, h, q, kv)
+    assert torch.equal(flexm.expand(2, 1, S, L + S), dense)
+
+
 @pytest.mark.cuda
-def test_flex_vs_dense_model_outputs():
+@pytest.mark.parametrize("window", [None, 5, 24])
+def test_flex_vs_dense_model_outputs(window):
     torch.manual_seed(0)
     cfg = DrafterConfig(
         hidden_size=64,
@@ -82,6 +107,8 @@ def test_flex_vs_dense_model_outputs():
         use_selector=True,
         selector_rank=16,
         selector_top_k=4,
+        layer_types=None if window is None else ["sliding_attention", "full_attention"],
+        sliding_window=window,
     )
     dev = "cuda"
     m = DFlashDrafter(cfg).to(dev)

@@ -118,10 +118,22 @@ def _setup(seed=0, L=14):
     return taps, ids, emb
 
 
-@pytest.mark.parametrize("v2", [False, True])
+SLIDING = dict(layer_types=["sliding_attention", "full_attention"], input_embedding_scale=0.5)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        dict(use_local_conv=True, use_selector=True),
+        dict(SLIDING, sliding_window=3),  # W < B: the window also cuts inside the block
+        dict(SLIDING, sliding_window=6, use_local_conv=True),
+    ],
+    ids=["v1", "v2", "window3", "window6"],
+)
 @torch.no_grad()
-def test_training_forward_equals_draft_block(v2):
-    cfg = tiny(use_local_conv=v2, use_selector=v2)
+def test_training_forward_equals_draft_block(kw):
+    cfg = tiny(**kw)
     m = randomized(cfg)
     taps, ids, emb = _setup()
     anchors = torch.tensor([[0, 5, 9, 13, 2]])  # includes anchor 0 (no context) and the last position
@@ -135,8 +147,37 @@ def test_training_forward_equals_draft_block(v2):
         cache.append(m, c[:, :a], torch.arange(a)[None])
         blk = torch.full((1, B), cfg.mask_token_id)
         blk[0, 0] = ids[0, a]
-        out = m.draft_block(emb(blk), torch.arange(a, a + B)[None], cache)
+        out = m.draft_block(m.embed_block(blk, emb), torch.arange(a, a + B)[None], cache)
         torch.testing.assert_close(out, h[:, j], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("W", [3, 6])
+@torch.no_grad()
+def test_sliding_layers_see_keys_within_the_window_only(W):
+    """|query − key position| < W: context at or before anchor − W is invisible to the whole block
+    (its first query sits at the anchor); context after it is not. Checked in training and decoding."""
+    m = randomized(tiny(layer_types=["sliding_attention"] * 2, sliding_window=W))
+    taps, ids, emb = _setup(L=16)
+    a = 12
+    anchors, valid = torch.tensor([[a]]), torch.tensor([[True]])
+    base = m.training_forward(taps, ids, emb, anchors, valid)
+    far, near = taps.clone(), taps.clone()
+    far[:, : a - W + 1] += torch.randn_like(far[:, : a - W + 1])
+    near[:, a - W + 1 : a] += torch.randn_like(near[:, a - W + 1 : a])
+    torch.testing.assert_close(m.training_forward(far, ids, emb, anchors, valid), base)
+    assert not torch.allclose(m.training_forward(near, ids, emb, anchors, valid), base)
+    blk = torch.full((1, B), m.config.mask_token_id)
+    blk[0, 0] = ids[0, a]
+    for t, same in ((far, True), (near, False)):
+        cache = ContextCache()
+        cache.append(m, m.fuse_context(t[:, :a]), torch.arange(a)[None])
+        out = m.draft_block(m.embed_block(blk, emb), torch.arange(a, a + B)[None], cache)
+        assert torch.allclose(out, base[:, 0], atol=1e-5) == same
+    # a full-attention layer in the stack sees all of it
+    mixed = randomized(tiny(layer_types=["sliding_attention", "full_attention"], sliding_window=W))
+    assert not torch.allclose(
+        mixed.training_forward(far, ids, emb, anchors, valid), mixed.training_forward(taps, ids, emb, anchors, valid)
+    )
 
 
 @torch.no_grad()
@@ -198,6 +239,30 @@ def test_drafted_tokens():
     assert (q.gather(-1, tok[..., None]) > 0).all()
 
 
+@torch.no_grad()
+def test_serving_scales_in_drafting():
+    """output_multiplier then softcap on the logits (T > 0 samples them; T = 0 argmax is unchanged);
+    input_embedding_scale on the block embeddings; the selector scales its top-k values the same way."""
+    torch.manual_seed(0)
+    lm_head = torch.nn.Linear(D, V, bias=False)
+    torch.nn.init.normal_(lm_head.weight, std=5.0)  # logits well inside the cap's curved range
+    hidden, anchor = torch.randn(3, B, D), torch.randint(0, V, (3,))
+    raw = lm_head(hidden[:, 1:])
+    scaled = 7.0 * torch.tanh(raw * 0.5 / 7.0)
+    m = DFlashDrafter(tiny(output_multiplier=0.5, final_logit_softcapping=7.0, input_embedding_scale=3.0))
+    torch.testing.assert_close(m.block_logits(hidden[:, 1:], lm_head), scaled)
+    assert torch.equal(m.drafted_tokens(hidden, lm_head, anchor), raw.argmax(-1))
+    _, q = m.drafted_tokens(hidden, lm_head, anchor, temperature=0.7)
+    torch.testing.assert_close(q, torch.softmax(scaled / 0.7, -1))
+    emb = torch.nn.Embedding(V, D)
+    ids = torch.randint(0, V, (2, B))
+    torch.testing.assert_close(m.embed_block(ids, emb), 3.0 * emb(ids))
+    sel = DFlashDrafter(tiny(use_selector=True, output_multiplier=0.5, final_logit_softcapping=7.0)).candidate_selector
+    cand, unary = sel.candidates(raw)
+    assert torch.equal(cand, raw.topk(5).indices)
+    torch.testing.assert_close(unary, scaled.gather(-1, cand))
+
+
 def test_rope_is_neox_rotate_half():
     hd, theta = 8, 10000.0
     x = torch.randn(1, 1, 1, hd)
@@ -213,6 +278,10 @@ def test_rope_is_neox_rotate_half():
 def test_config_validation_and_roundtrip():
     cfg = tiny(use_local_conv=True, use_selector=True)
     assert DrafterConfig.from_dict(cfg.to_dict()) == cfg and cfg.num_taps == 2
+    windowed = tiny(layer_types=["sliding_attention", "full_attention"], sliding_window=5, output_multiplier=0.2)
+    assert DrafterConfig.from_dict(windowed.to_dict()) == windowed
+    assert windowed.has_sliding_layers and windowed.serving_scales == {"output_multiplier": 0.2}
+    assert cfg.layer_kinds == ["full_attention"] * 2 and not cfg.has_sliding_layers and cfg.serving_scales == {}
     bad = [
         dict(mask_token_id=V),
         dict(block_size=1),
@@ -220,6 +289,14 @@ def test_config_validation_and_roundtrip():
         dict(use_local_conv=True, conv_group_size=12),
         dict(target_layer_ids=[]),
         dict(use_selector=True, selector_top_k=V + 1),
+        dict(layer_types=["sliding_attention"]),  # one entry for two layers
+        dict(layer_types=["full_attention", "causal_attention"]),
+        dict(layer_types=["sliding_attention"] * 2),  # no window
+        dict(layer_types=["sliding_attention"] * 2, sliding_window=0),
+        dict(sliding_window=8),  # a window no layer reads
+        dict(output_multiplier=-1.0),  # would reverse the candidate order
+        dict(input_embedding_scale=float("nan")),
+        dict(final_logit_softcapping=0.0),  # "no cap" is null
     ]
     for kw in bad:
         with pytest.raises(DFlash2Error):

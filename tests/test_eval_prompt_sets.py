@@ -188,7 +188,7 @@ def test_cli_uses_the_recorded_split_and_records_it(folders, tmp_path, monkeypat
     assert res["prompt_set"]["prompts"] == recorded["prompts"]  # same split, same seed: same prompts
 
 
-def test_cli_says_when_fewer_prompts_were_evaluated(folders, tmp_path, monkeypatch, capsys):
+def test_cli_says_when_fewer_prompts_were_evaluated(folders, tmp_path, monkeypatch, caplog):
     root = folders["root"]
     path = _file(tmp_path, [f"x{i} = {i}" for i in range(24)])
     _cli(
@@ -200,8 +200,9 @@ def test_cli_says_when_fewer_prompts_were_evaluated(folders, tmp_path, monkeypat
         "max_new_tokens=4",
         f"paths.output_dir={tmp_path / 'out'}",
     )
-    out = capsys.readouterr().out
-    assert f"note: evaluated 16 prompts (asked 16, given 16): the first 16 of the 24 prompts in {path}" in out
+    # said once on the console (a warning of dflash2.eval.acceptance), and recorded in results.json
+    said = f"evaluated 16 prompts (asked 16, given 16): the first 16 of the 24 prompts in {path}"
+    assert [r.levelname for r in caplog.records if said in r.getMessage()] == ["WARNING"]
     res = json.loads((tmp_path / "out" / "results.json").read_text())
     assert res["num_prompts"] == 16 and res["settings"]["num_prompts_asked"] == 16
     assert res["prompt_set"]["in_file"] == 24

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash2.decoding.decoder import speculative_generate
-from dflash2.drafter import DFlashDrafter, DrafterConfig, load_drafter, save_drafter
+from dflash2.drafter import ContextCache, DFlashDrafter, DrafterConfig, load_drafter, save_drafter
 from dflash2.errors import DFlash2Error
 from dflash2.export import export_drafter, main, read_target_info
 from dflash2.target import TargetModel
@@ -252,3 +252,72 @@ def test_save_drafter_extra_files_are_atomic(tmp_path, micro_target_dir):
     d = DFlashDrafter(drafter_config(micro_target_dir, False))
     out = save_drafter(d, tmp_path / "d", extra_files={"README.md": "hi\n"})
     assert (out / "README.md").read_text() == "hi\n" and sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+
+
+@pytest.mark.parametrize("on", ["conv", "selector"])
+def test_one_addition_off_is_filled_exactly(tmp_path, micro_target_dir, micro_target, on):
+    """Engines build both DFlash2 additions: the missing one is written as an exact no-op (issue 12)."""
+    from vllm_reference import VllmStyleDFlash2
+
+    cfg = drafter_config(micro_target_dir, False, use_local_conv=on == "conv", use_selector=on == "selector")
+    _, drafter = fake_ckpt(tmp_path, cfg)
+    out = export_drafter(tmp_path / "run", tmp_path / "export", dtype=torch.float32, target=str(micro_target_dir))
+    c = json.loads((out / "config.json").read_text())
+    assert (
+        c["architectures"] == ["DFlash2DraftModel"] and c["dflash2"]["use_local_conv"] and c["dflash2"]["use_selector"]
+    )
+    assert {"conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"} <= set(c["dflash_config"])
+    (note,) = c["dflash2_export"]["filled"]
+    assert note.startswith("candidate selector" if on == "conv" else "local conv")
+    w = load_file(str(out / "model.safetensors"))
+    if on == "conv":
+        assert not w["candidate_selector.successor_codebook"].any()
+        assert w["candidate_selector.predecessor_codebook"].std() > 0.01  # trainable after init_from
+    else:
+        assert torch.equal(w["layers.0.mlp_conv.base_kernel"][:, 0], torch.ones(2, 32))
+        assert (
+            not w["layers.0.mlp_conv.base_kernel"][:, 1].any()
+            and not w["layers.0.attention_conv.kernel_projection.weight"].any()
+        )
+    card = (out / "README.md").read_text()
+    assert "Filled at export" in card and "`num_speculative_tokens` must equal `block_size − 1` = 3" in card
+
+    # the export drafts exactly as the checkpoint did: T=0, through dflash2's loader ...
+    loaded = load_drafter(out)
+    a = speculative_generate(micro_target, drafter, PROMPTS, max_new_tokens=16)
+    b = speculative_generate(micro_target, loaded, PROMPTS, max_new_tokens=16)
+    assert a.sequences == b.sequences and a.accepted == b.accepted
+    # ... and through the independent vLLM-style step, block by block
+    ref = VllmStyleDFlash2(out, micro_target.embed_tokens.weight, micro_target.lm_head.weight, num_speculative_tokens=3)
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt + a.sequences[PROMPTS.index(prompt)]])
+            taps = micro_target.tap_features(ids)
+            for pos in range(1, ids.shape[1]):
+                cache = ContextCache()
+                cache.append(drafter, drafter.fuse_context(taps[:, :pos]), torch.arange(pos)[None])
+                blk = torch.tensor([[int(ids[0, pos])] + [cfg.mask_token_id] * 3])
+                h = drafter.draft_block(micro_target.embed_tokens(blk), pos + torch.arange(4)[None], cache)
+                ours = drafter.drafted_tokens(h, micro_target.lm_head, ids[:, pos])[0].tolist()
+                assert ref.draft(taps[0, :pos], int(ids[0, pos]), pos)[0] == ours, (prompt, pos)
+    # T > 0: the identity conv changes nothing, not even a sample; the filled selector samples its top-k
+    if on == "selector":
+        runs = [
+            speculative_generate(
+                micro_target, d, PROMPTS, max_new_tokens=16, temperature=0.8, generator=torch.Generator().manual_seed(3)
+            )
+            for d in (drafter, loaded)
+        ]
+        assert runs[0].sequences == runs[1].sequences and runs[0].accepted == runs[1].accepted
+    else:
+        h = torch.randn(2, 4, 32)
+        _, q = loaded.drafted_tokens(h, micro_target.lm_head, torch.tensor([5, 6]), temperature=0.8)
+        full = torch.softmax(micro_target.lm_head(h[:, 1:]) / 0.8, -1)
+        top = full.topk(cfg.selector_top_k, dim=-1)
+        expect = torch.zeros_like(full).scatter(-1, top.indices, top.values / top.values.sum(-1, keepdim=True))
+        torch.testing.assert_close(q, expect)
+
+
+def test_serving_scales_are_refused_in_the_v1_format(tmp_path, micro_target_dir):
+    ckpt, _ = fake_ckpt(tmp_path, drafter_config(micro_target_dir, False, output_multiplier=0.5))
+    _expect_error(tmp_path, ckpt, r"sets output_multiplier=0\.5, which vLLM's DFlashDraftModel loader ignores")

@@ -34,8 +34,26 @@ def pair(hf_targets):
     return TargetModel(hf, target_layer_ids=TAPS), load_model(folder, target_layer_ids=TAPS)
 
 
-def _drafter(target, block_size, v2):
+# the published DFlash2 contract (ARCHITECTURE.md §3.4): a window narrower than the contexts, all three scales
+CONTRACT = dict(
+    layer_types=["sliding_attention"],
+    sliding_window=6,
+    input_embedding_scale=1.5,
+    output_multiplier=0.5,
+    final_logit_softcapping=2.0,
+)
+
+
+def _drafter(target, block_size, v2, contract=False):
     drafter = spec_drafter(target, block_size, v2=v2, seed=3)
+    if contract:
+        import dataclasses
+
+        from dflash2.drafter import DFlashDrafter
+
+        windowed = DFlashDrafter(dataclasses.replace(drafter.config, **CONTRACT)).eval()
+        windowed.load_state_dict(drafter.state_dict())
+        drafter = windowed
     return nontrivial_dflash2(drafter) if v2 else drafter
 
 
@@ -63,19 +81,19 @@ def _walk(ref: DFlashProposer, run: RuntimeDrafter, runtime_model, check):
         pos = pos + n
 
 
-@pytest.mark.parametrize("v2", [False, True], ids=["v1", "dflash2"])
+@pytest.mark.parametrize("v2,contract", [(False, False), (True, False), (True, True)], ids=["v1", "dflash2", "window"])
 @pytest.mark.parametrize("block_size", [4, 8])
-def test_greedy_drafts_equal_the_reference(pair, v2, block_size):
+def test_greedy_drafts_equal_the_reference(pair, v2, contract, block_size):
     target, runtime_model = pair
-    drafter = _drafter(target, block_size, v2)
+    drafter = _drafter(target, block_size, v2, contract)
     ref, run = DFlashProposer(drafter, target), RuntimeDrafter(drafter, runtime_model)
     greedy = SamplingParams()
     seen = {"steps": 0, "argmax_differs": False}
 
     def check(anchor, pos, ctx):
         B = block_size
-        embeds = target.embed_tokens(
-            torch.cat([anchor[:, None], torch.full((4, B - 1), drafter.config.mask_token_id)], 1)
+        embeds = drafter.embed_block(
+            torch.cat([anchor[:, None], torch.full((4, B - 1), drafter.config.mask_token_id)], 1), target.embed_tokens
         )
         ref_h = drafter.draft_block(embeds, pos[:, None] + torch.arange(B), ref.cache)
         torch.testing.assert_close(run.hidden(ctx, anchor), ref_h, rtol=0, atol=2e-5)
@@ -94,11 +112,11 @@ def test_greedy_drafts_equal_the_reference(pair, v2, block_size):
     assert seen["argmax_differs"] == v2  # the selector's path is not the plain argmax (and v1's is)
 
 
-@pytest.mark.parametrize("v2", [False, True], ids=["v1", "dflash2"])
-def test_sampled_proposals_equal_the_reference(pair, v2):
+@pytest.mark.parametrize("v2,contract", [(False, False), (True, False), (False, True)], ids=["v1", "dflash2", "window"])
+def test_sampled_proposals_equal_the_reference(pair, v2, contract):
     """T>0: the same draws for the same generator; q dense for v1, sparse over the selector's k for v2."""
     target, runtime_model = pair
-    drafter = _drafter(target, 8, v2)
+    drafter = _drafter(target, 8, v2, contract)
     ref, run = DFlashProposer(drafter, target), RuntimeDrafter(drafter, runtime_model)
     params = SamplingParams(0.9, top_k=20)
     V = runtime_model.vocab_size

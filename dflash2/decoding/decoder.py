@@ -90,7 +90,7 @@ class DFlashProposer:
         ids = torch.full((N, B), self.drafter.config.mask_token_id, dtype=torch.long, device=anchor_ids.device)
         ids[:, 0] = anchor_ids  # block = [anchor, MASK × (B-1)]
         positions = anchor_pos[:, None] + torch.arange(B, device=anchor_ids.device)  # (N, B)
-        embeds = self.target.embed_tokens(ids).to(self._dtype)  # (N, B, d)
+        embeds = self.drafter.embed_block(ids, self.target.embed_tokens).to(self._dtype)  # (N, B, d)
         hidden = self.drafter.draft_block(embeds, positions, self.cache)  # (N, B, d)
         if params.greedy:
             return self.drafter.drafted_tokens(hidden, self._lm_head, anchor_ids), None
@@ -99,7 +99,8 @@ class DFlashProposer:
             # top-k candidates); top_k/top_p cannot be re-applied after the draw, and need not be
             # for losslessness: any exact q is lossless under rejection sampling.
             return self.drafter.drafted_tokens(hidden, self._lm_head, anchor_ids, params.temperature, generator)
-        q = warp_probs(self._lm_head(hidden[:, 1:]), params)  # (N, B-1, V): same warp as the target's p
+        logits = self.drafter.block_logits(hidden[:, 1:], self._lm_head)  # (N, B-1, V) with the serving scales
+        q = warp_probs(logits, params)  # same warp as the target's p
         return sample(q, generator), q
 
 

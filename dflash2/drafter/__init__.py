@@ -7,7 +7,13 @@ turns on the block-local conv and/or the candidate selector (ARCHITECTURE.md §2
 from dflash2.drafter.config import DrafterConfig
 from dflash2.drafter.io import hf_config, load_drafter, save_drafter
 from dflash2.drafter.local_conv import BlockLocalConv, naive_block_local_conv
-from dflash2.drafter.masks import block_mask_mod, context_padding_mask, dense_block_mask, flex_block_mask
+from dflash2.drafter.masks import (
+    block_mask_mod,
+    context_padding_mask,
+    dense_block_mask,
+    flex_block_mask,
+    sliding_window_mask,
+)
 from dflash2.drafter.model import ContextCache, DFlashDrafter, RMSNorm
 from dflash2.drafter.selector import CandidateSelector
 
@@ -26,4 +32,5 @@ __all__ = [
     "load_drafter",
     "naive_block_local_conv",
     "save_drafter",
+    "sliding_window_mask",
 ]

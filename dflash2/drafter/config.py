@@ -9,9 +9,12 @@ exported ``config.json`` (see ``dflash2.drafter.io``).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from dflash2.errors import DFlash2Error
+
+LAYER_KINDS = ("full_attention", "sliding_attention")
 
 
 @dataclass
@@ -34,6 +37,15 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6  # Qwen3's value
     num_target_layers: int | None = None  # the target's depth, when known (export only)
     block_size: int = 8  # DFlash2 releases use 8 (the v1 paper used 16)
+    # --- attention kind per layer (§2.4); None = every layer "full_attention" ---
+    # "sliding_attention" layers see only keys with |query position - key position| < sliding_window
+    # (context and block alike, vLLM's and z-lab's non-causal window); z-lab's DFlash2 drafters use them.
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None  # W of the sliding_attention layers (None without any)
+    # --- serving scales of the published DFlash2 contract (§3.4); defaults = no scaling ---
+    input_embedding_scale: float = 1.0  # block embeddings are multiplied by it
+    output_multiplier: float = 1.0  # drafter logits are multiplied by it, then
+    final_logit_softcapping: float | None = None  # capped: cap * tanh(logits / cap); None = no cap
     # --- DFlash2 additions (§3); both off == DFlash v1 ---
     use_local_conv: bool = False
     conv_kernel_size: int = 2  # released setting: taps t = 0, 1
@@ -63,12 +75,29 @@ class DrafterConfig:
         return self.hidden_size // self.conv_group_size
 
     @property
+    def layer_kinds(self) -> list[str]:
+        """One attention kind per layer ("full_attention" unless ``layer_types`` says otherwise)."""
+        return list(self.layer_types) if self.layer_types is not None else ["full_attention"] * self.num_hidden_layers
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return "sliding_attention" in self.layer_kinds
+
+    @property
+    def serving_scales(self) -> dict[str, float]:
+        """The serving scales (§3.4) that differ from their no-op defaults, name -> value (config.json order)."""
+        defaults = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
+        return {k: getattr(self, k) for k, d in defaults.items() if getattr(self, k) != d}
+
+    @property
     def is_v2(self) -> bool:
         return bool(self.use_local_conv or self.use_selector)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["target_layer_ids"] = list(d["target_layer_ids"])
+        if d["layer_types"] is not None:
+            d["layer_types"] = list(d["layer_types"])
         return d
 
     @classmethod
@@ -90,6 +119,8 @@ class DrafterConfig:
             raise DFlash2Error(f"drafter config is missing required field(s) {missing}; add them")
         cfg = cls(**d)
         cfg.target_layer_ids = [int(i) for i in cfg.target_layer_ids]
+        if cfg.layer_types is not None:
+            cfg.layer_types = [str(k) for k in cfg.layer_types]
         cfg.validate()
         return cfg
 
@@ -137,6 +168,7 @@ class DrafterConfig:
             f"mask_token_id={self.mask_token_id} must lie in [0, vocab_size={self.vocab_size}); "
             f"pick an unused id of the target vocab",
         )
+        self._validate_attention_and_scales(need)
         if self.use_local_conv:
             need(
                 1 <= self.conv_kernel_size <= self.block_size,
@@ -153,3 +185,30 @@ class DrafterConfig:
                 f"selector_top_k={self.selector_top_k} must be in [1, vocab_size={self.vocab_size}]",
             )
         return self
+
+    def _validate_attention_and_scales(self, need) -> None:
+        kinds = self.layer_kinds
+        need(
+            len(kinds) == self.num_hidden_layers,
+            f"layer_types has {len(kinds)} entries but num_hidden_layers={self.num_hidden_layers}; give one per layer",
+        )
+        unknown = sorted(set(kinds) - set(LAYER_KINDS))
+        need(not unknown, f"layer_types has {unknown}; use {list(LAYER_KINDS)}")
+        w = self.sliding_window
+        if self.has_sliding_layers:
+            need(
+                isinstance(w, int) and not isinstance(w, bool) and w >= 1,
+                f"sliding_window={w!r} must be a positive integer when a layer is sliding_attention",
+            )
+        else:  # a window no layer reads would be a silent no-op
+            need(w is None, f"sliding_window={w} but no layer is sliding_attention; set layer_types or drop the window")
+        for name in ("input_embedding_scale", "output_multiplier"):
+            v = getattr(self, name)
+            # > 0: a negative multiplier would reverse the candidate order that engines take before scaling
+            ok = isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+            need(ok, f"{name}={v!r} must be a finite number > 0")
+        cap = self.final_logit_softcapping
+        need(
+            cap is None or (isinstance(cap, (int, float)) and math.isfinite(cap) and cap > 0),
+            f"final_logit_softcapping={cap!r} must be null (no cap) or a finite number > 0",
+        )

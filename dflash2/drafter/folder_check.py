@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from dflash2.drafter.config import DrafterConfig
+from dflash2.drafter.serving_fields import check_contract_fields
 from dflash2.errors import DFlash2Error
 
 CONFIG_NAME = "config.json"
@@ -94,7 +95,9 @@ def _drafter_config(raw: dict, shapes: dict, path: Path) -> DrafterConfig:
             section = raw["dflash2"]
             if not isinstance(section, dict):
                 raise DFlash2Error(f"its 'dflash2' section is a {type(section).__name__}, not an object")
-            return DrafterConfig.from_dict(dict(section))
+            config = DrafterConfig.from_dict(dict(section))
+            check_contract_fields(raw, config, file)  # what engines read == what we load
+            return config
         # _config_from_hf reads only shapes: meta tensors carry them without memory
         return _config_from_hf(raw, {k: torch.empty(s, device="meta") for k, s in shapes.items()}, path)
     except DFlash2Error as e:

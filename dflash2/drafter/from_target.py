@@ -57,6 +57,12 @@ def drafter_config_for_target(settings: dict, target) -> DrafterConfig:
         use_selector=bool(settings["use_selector"]),
         selector_rank=int(settings["selector_rank"]),
         selector_top_k=int(settings["selector_top_k"]),
+        # the published DFlash2 contract (ARCHITECTURE.md §3.4); absent or null = full attention, no scaling
+        layer_types=list(settings["layer_types"]) if settings.get("layer_types") else None,
+        sliding_window=int(settings["sliding_window"]) if settings.get("sliding_window") is not None else None,
+        input_embedding_scale=float(settings.get("input_embedding_scale", 1.0)),
+        output_multiplier=float(settings.get("output_multiplier", 1.0)),
+        final_logit_softcapping=_optional_float(settings.get("final_logit_softcapping")),
         target_name_or_path=str(target.name_or_path),
         target_tokenizer_fingerprint=tokenizer_fingerprint(target.tokenizer) if target.tokenizer is not None else None,
     )
@@ -96,3 +102,7 @@ def _target_rope_theta(tcfg) -> float:
     if isinstance(params, dict) and "rope_theta" in params:
         return params["rope_theta"]
     return getattr(tcfg, "rope_theta", 10000.0)
+
+
+def _optional_float(value) -> float | None:
+    return float(value) if value is not None else None

@@ -22,12 +22,14 @@ from safetensors.torch import load_file, save_file
 from dflash2.drafter.config import DrafterConfig
 from dflash2.drafter.folder_check import CONFIG_NAME, WEIGHTS_NAME, check_drafter_folder
 from dflash2.drafter.model import DFlashDrafter
+from dflash2.drafter.serving_fields import contract_fields, read_contract_fields
 from dflash2.errors import DFlash2Error
 
 
 def hf_config(cfg: DrafterConfig, dtype: torch.dtype | None = None) -> dict:
     """The config.json dict for ``cfg`` (z-lab / vLLM fields + our ``dflash2`` section)."""
-    dflash = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
+    top, contract = contract_fields(cfg)  # block, attention kinds, serving scales (§3.4)
+    dflash = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids), **contract}
     if cfg.is_v2:
         dflash.update(
             conv_kernel_size=cfg.conv_kernel_size,
@@ -53,8 +55,7 @@ def hf_config(cfg: DrafterConfig, dtype: torch.dtype | None = None) -> dict:
         "attention_dropout": 0.0,
         "hidden_act": "silu",
         "tie_word_embeddings": False,
-        # vLLM rejects the config unless there is one entry per layer (§7)
-        "layer_types": ["full_attention"] * cfg.num_hidden_layers,
+        **top,
         "block_size": cfg.block_size,
         "dflash_config": dflash,
         "dflash2": cfg.to_dict(),
@@ -140,10 +141,11 @@ def _config_from_hf(cfg: dict, weights: dict, path: Path) -> DrafterConfig:
     conv = weights.get("layers.0.attention_conv.base_kernel")
     proj = weights.get("layers.0.attention_conv.kernel_projection.weight")
     book = weights.get("candidate_selector.predecessor_codebook")
+    num_layers = int(_need(cfg, "num_hidden_layers", path))
     d = dict(
         hidden_size=hidden,
         intermediate_size=int(_need(cfg, "intermediate_size", path)),
-        num_hidden_layers=int(_need(cfg, "num_hidden_layers", path)),
+        num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
         head_dim=int(cfg.get("head_dim") or hidden // heads),
@@ -155,9 +157,9 @@ def _config_from_hf(cfg: dict, weights: dict, path: Path) -> DrafterConfig:
         mask_token_id=int(_need(dc, "mask_token_id", path)),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         num_target_layers=cfg.get("num_target_layers"),
-        block_size=int(_need(cfg, "block_size", path)),
         use_local_conv=conv is not None,
         use_selector=book is not None,
+        **read_contract_fields(cfg, num_layers, path / CONFIG_NAME),  # block size, window, scales
     )
     if conv is not None:
         taps = int(dc.get("conv_kernel_size", conv.shape[1]))

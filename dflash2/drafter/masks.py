@@ -15,6 +15,11 @@ Rules (True = may attend):
   least one visible key, so softmax never produces NaN; the caller masks its loss.
 
 The context key index equals the context position (context positions are 0..L-1).
+
+``sliding_attention`` layers (ARCHITECTURE.md §2.4) AND these masks with a window on
+absolute positions: key k is visible to query q only if |q - k| < W (the window
+counts the query itself and is the same on both sides, as vLLM's and z-lab's
+non-causal sliding layers have it). Every query still sees itself, so no row empties.
 """
 
 from __future__ import annotations
@@ -46,8 +51,21 @@ def dense_block_mask(
     return torch.cat([ctx_ok, blk_ok], dim=-1)[:, None]  # (N, 1, S, L+S)
 
 
-def block_mask_mod(anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, block_size: int):
-    """The same rule as ``dense_block_mask`` as a FlexAttention ``mask_mod(b, h, q, kv)``."""
+def sliding_window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """Which keys a sliding_attention layer may see: |q - k| < window, on absolute positions.
+
+    query_positions (N, S), key_positions (N, K) long -> (N, 1, S, K) bool (True = inside).
+    AND it with the layer's block mask.
+    """
+    dist = query_positions[:, :, None] - key_positions[:, None, :]  # (N, S, K)
+    return (dist.abs() < window)[:, None]
+
+
+def block_mask_mod(
+    anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, block_size: int, window: int | None = None
+):
+    """The same rule as ``dense_block_mask`` as a FlexAttention ``mask_mod(b, h, q, kv)``;
+    ``window``: also the sliding window of ``sliding_window_mask`` (None = none)."""
     L, B = context_len, block_size
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -56,13 +74,23 @@ def block_mask_mod(anchors: torch.Tensor, anchor_valid: torch.Tensor, context_le
         ctx_ok = is_ctx & (kv_idx < anchors[b, blk]) & anchor_valid[b, blk]
         # for context keys (kv_idx - L) // B is negative, so this never fires for them
         blk_ok = (~is_ctx) & ((kv_idx - L) // B == blk)
-        return ctx_ok | blk_ok
+        if window is None:
+            return ctx_ok | blk_ok
+        # query position anchor + (q mod B); a context key sits at kv_idx, a key of the same
+        # block at anchor + ((kv_idx - L) mod B): compare offsets, the anchor cancels
+        q_off = q_idx % B
+        ctx_in = (anchors[b, blk] + q_off - kv_idx) < window  # context keys precede the query
+        blk_in = (q_off - (kv_idx - L) % B).abs() < window
+        return (ctx_ok & ctx_in) | (blk_ok & blk_in)
 
     return mask_mod
 
 
-def flex_block_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, block_size: int):
-    """FlexAttention ``BlockMask`` with the semantics of ``dense_block_mask``.
+def flex_block_mask(
+    anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, block_size: int, window: int | None = None
+):
+    """FlexAttention ``BlockMask`` with the semantics of ``dense_block_mask`` (and of
+    ``sliding_window_mask`` when ``window`` is given).
 
     Shape (N, 1, S, L+S); heads broadcast. Imported lazily: flex is only used on CUDA,
     where it skips fully-masked 128x128 tiles (most of them: blocks never see each other).
@@ -71,7 +99,7 @@ def flex_block_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, context_l
 
     N, A = anchors.shape
     S = A * block_size
-    mod = block_mask_mod(anchors, anchor_valid, context_len, block_size)
+    mod = block_mask_mod(anchors, anchor_valid, context_len, block_size, window)
     return create_block_mask(mod, B=N, H=None, Q_LEN=S, KV_LEN=context_len + S, device=anchors.device)
 
 

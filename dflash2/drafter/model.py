@@ -20,8 +20,8 @@ from torch import nn
 
 from dflash2.drafter.config import DrafterConfig
 from dflash2.drafter.local_conv import BlockLocalConv
-from dflash2.drafter.masks import context_padding_mask, dense_block_mask, flex_block_mask
-from dflash2.drafter.selector import CandidateSelector
+from dflash2.drafter.masks import context_padding_mask, dense_block_mask, flex_block_mask, sliding_window_mask
+from dflash2.drafter.selector import CandidateSelector, scale_logits
 
 INIT_STD = 0.02  # HF Qwen3 initializer_range; the drafter trains from scratch
 
@@ -160,12 +160,14 @@ class ContextCache:
     with *verified* context and never holds block K/V: nothing to crop after a
     rejected block. Batched rows may hold different context lengths: storage is
     (N, capacity, Hkv, hd) per layer with row n valid on slots < lengths[n];
-    ``draft_block`` masks the tail slots.
+    ``draft_block`` masks the tail slots. ``positions`` (N, capacity) keeps each
+    slot's absolute position, which sliding-window layers measure distances from.
     """
 
     def __init__(self):
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        self.positions: torch.Tensor | None = None  # (N, capacity) long
         self.lengths: torch.Tensor | None = None  # (N,) long
         self.slots = 0  # host-side max(lengths): how many slots attention reads
 
@@ -179,6 +181,9 @@ class ContextCache:
                 t = old.new_zeros(n_rows, new_cap, *old.shape[2:])
                 t[:, :cap] = old
                 store[i] = t
+        pos = self.positions.new_zeros(n_rows, new_cap)
+        pos[:, :cap] = self.positions
+        self.positions = pos
 
     @torch.no_grad()
     def append(self, drafter: DFlashDrafter, new_context, positions, num_valid=None):
@@ -191,6 +196,7 @@ class ContextCache:
         dev = new_context.device
         if self.lengths is None:
             self.lengths = torch.zeros(N, dtype=torch.long, device=dev)
+            self.positions = torch.zeros(N, 0, dtype=torch.long, device=dev)
             cfg = drafter.config
             for store in (self.k, self.v):
                 store.extend(new_context.new_zeros(N, 0, cfg.num_key_value_heads, cfg.head_dim) for _ in drafter.layers)
@@ -202,9 +208,14 @@ class ContextCache:
             k, v = layer.self_attn.context_kv(new_context, cos, sin)  # (N, Hkv, num_new, hd)
             self.k[i][rows, idx] = k.transpose(1, 2).to(self.k[i].dtype)
             self.v[i][rows, idx] = v.transpose(1, 2).to(self.v[i].dtype)
+        self.positions[rows, idx] = positions.to(self.positions)
         add = num_new if num_valid is None else num_valid.to(self.lengths)
         self.lengths = self.lengths + add
         self.slots = int(self.lengths.max())
+
+    def slot_positions(self) -> torch.Tensor:
+        """(N, slots) absolute position of every readable slot (tail slots: garbage, masked)."""
+        return self.positions[:, : self.slots]
 
     def layer_kv(self, i):
         """(N, Hkv, slots, hd) K and V of layer i."""
@@ -219,9 +230,18 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(c.num_taps * c.target_hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        # which layers read the sliding-window mask (§2.4); a plain list: no parameters, no state-dict keys
+        self.sliding_layers = [kind == "sliding_attention" for kind in c.layer_kinds]
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.candidate_selector = (
-            CandidateSelector(c.vocab_size, c.hidden_size, c.selector_rank, c.selector_top_k)
+            CandidateSelector(
+                c.vocab_size,
+                c.hidden_size,
+                c.selector_rank,
+                c.selector_top_k,
+                output_multiplier=c.output_multiplier,
+                final_logit_softcapping=c.final_logit_softcapping,
+            )
             if c.use_selector
             else None
         )
@@ -248,16 +268,36 @@ class DFlashDrafter(nn.Module):
         """taps (N, L, K·d_t) concatenated target features -> c (N, L, d)."""
         return self.hidden_norm(self.fc(taps))
 
-    def forward(self, block_embeds, block_positions, context, context_positions, attn_mask):
+    def embed_block(self, ids: torch.Tensor, embed_fn: Callable) -> torch.Tensor:
+        """Block ids (N, S) -> (N, S, d): the target's frozen embedding times ``input_embedding_scale`` (§3.4)."""
+        e = embed_fn(ids)
+        scale = self.config.input_embedding_scale
+        return e * scale if scale != 1.0 else e
+
+    def block_logits(self, hidden: torch.Tensor, lm_head: Callable, raw: torch.Tensor | None = None) -> torch.Tensor:
+        """Drafted hidden states (..., d) -> the drafter's logits (..., V): the target's LM head (or
+        ``raw``, its output when already computed), then ``output_multiplier`` and
+        ``final_logit_softcapping`` (§3.4; fp32 when either is set, the LM head's dtype otherwise).
+        What training's CE and sampling at T > 0 read; argmax and top-k sets are the raw logits'."""
+        c = self.config
+        raw = lm_head(hidden) if raw is None else raw
+        if c.output_multiplier == 1.0 and c.final_logit_softcapping is None:
+            return raw
+        return scale_logits(raw, c.output_multiplier, c.final_logit_softcapping)
+
+    def forward(self, block_embeds, block_positions, context, context_positions, attn_mask, window_mask=None):
         """block_embeds (N, S, d) (S = A·B, blocks concatenated), block_positions (N, S),
         context (N, L, d) fused, context_positions (N, L), attn_mask (N, 1, S, L+S) bool
-        (True = attend) or a flex BlockMask. Returns hidden (N, S, d) after ``norm``."""
+        (True = attend) or a flex BlockMask; window_mask: the same for sliding_attention layers
+        (attn_mask AND the window, §2.4), needed only when the config has such layers.
+        Returns hidden (N, S, d) after ``norm``."""
+        assert window_mask is not None or not any(self.sliding_layers), "sliding_attention layers need window_mask"
         bcos, bsin = self._rope(block_positions, block_embeds.dtype)
         ccos, csin = self._rope(context_positions, context.dtype)
         h = block_embeds
-        for layer in self.layers:
+        for layer, sliding in zip(self.layers, self.sliding_layers):
             ck, cv = layer.self_attn.context_kv(context, ccos, csin)  # (N, Hkv, L, hd)
-            h = layer(h, bcos, bsin, ck, cv, attn_mask)
+            h = layer(h, bcos, bsin, ck, cv, window_mask if sliding else attn_mask)
         return self.norm(h)
 
     def training_forward(self, taps, input_ids, embed_fn: Callable, anchors, anchor_valid, use_flex: bool = False):
@@ -278,11 +318,19 @@ class DFlashDrafter(nn.Module):
         ids = torch.full((N, A, B), self.config.mask_token_id, dtype=torch.long, device=input_ids.device)
         ids[:, :, 0] = input_ids.gather(1, anchors)  # the anchor token opens each block
         pos = anchors[:, :, None] + torch.arange(B, device=anchors.device)  # (N, A, B)
-        embeds = embed_fn(ids.view(N, A * B)).to(c.dtype)  # (N, S, d)
-        make = flex_block_mask if use_flex else dense_block_mask
-        mask = make(anchors, anchor_valid, L, B)
+        embeds = self.embed_block(ids.view(N, A * B), embed_fn).to(c.dtype)  # (N, S, d)
         ctx_pos = torch.arange(L, device=input_ids.device).expand(N, L)
-        h = self.forward(embeds, pos.view(N, A * B), c, ctx_pos, mask)  # (N, S, d)
+        W = self.config.sliding_window if any(self.sliding_layers) else None
+        if use_flex:
+            mask = flex_block_mask(anchors, anchor_valid, L, B)
+            window_mask = flex_block_mask(anchors, anchor_valid, L, B, W) if W is not None else None
+        else:
+            mask = dense_block_mask(anchors, anchor_valid, L, B)  # (N, 1, S, L+S)
+            window_mask = None
+            if W is not None:
+                keys = torch.cat([ctx_pos, pos.view(N, A * B)], dim=1)  # (N, L+S) absolute key positions
+                window_mask = mask & sliding_window_mask(pos.view(N, A * B), keys, W)
+        h = self.forward(embeds, pos.view(N, A * B), c, ctx_pos, mask, window_mask)  # (N, S, d)
         return h.view(N, A, B, -1)
 
     # ------------------------------------------------------------------ decoding
@@ -295,11 +343,15 @@ class DFlashDrafter(nn.Module):
         _, T, _ = block_embeds.shape
         assert cache.lengths is not None, "ContextCache is empty: append the prefill context first"
         mask = context_padding_mask(cache.lengths, cache.slots, T)  # (N, 1, T, slots+T)
+        window_mask = None
+        if any(self.sliding_layers):
+            keys = torch.cat([cache.slot_positions(), block_positions], dim=1)  # (N, slots+T)
+            window_mask = mask & sliding_window_mask(block_positions, keys, self.config.sliding_window)
         cos, sin = self._rope(block_positions, block_embeds.dtype)
         h = block_embeds
-        for i, layer in enumerate(self.layers):
+        for i, (layer, sliding) in enumerate(zip(self.layers, self.sliding_layers)):
             ck, cv = cache.layer_kv(i)
-            h = layer(h, cos, sin, ck, cv, mask)
+            h = layer(h, cos, sin, ck, cv, window_mask if sliding else mask)
         return self.norm(h)
 
     @torch.no_grad()
@@ -307,15 +359,15 @@ class DFlashDrafter(nn.Module):
         """hidden (N, B, d) from ``draft_block``; positions 1..B-1 predict the token at
         the same position (no shift). T=0: tokens (N, B-1) by argmax (or the selector's
         greedy path). T>0: (tokens (N, B-1), q (N, B-1, V) fp32) sampled from
-        softmax(logits / T) (or the selector's sampled path); q is the proposal for
+        softmax(block_logits / T) (or the selector's sampled path); q is the proposal for
         lossless rejection sampling (§4)."""
         h = hidden[:, 1:]  # (N, P, d)
-        logits = lm_head(h).float()  # (N, P, V)
+        logits = lm_head(h).float()  # (N, P, V) raw: the selector scales its own top-k values
         sel = self.candidate_selector
-        if temperature <= 0:
+        if temperature <= 0:  # argmax of the raw logits = argmax of the scaled ones (increasing map)
             return sel.greedy_path(h, logits, anchor_ids) if sel is not None else logits.argmax(-1)
         if sel is not None:
             return sel.sample_path(h, logits, anchor_ids, temperature, generator)
-        q = torch.softmax(logits / temperature, dim=-1)
+        q = torch.softmax(self.block_logits(h, lm_head, raw=logits) / temperature, dim=-1)
         tok = torch.multinomial(q.flatten(0, 1), 1, generator=generator).view(q.shape[:2])
         return tok, q

@@ -6,9 +6,10 @@ with a pairwise term that looks at the chosen predecessor:
 
     score(l, p -> c) = unary[l, c] + Σ_r P[p, r] · Hh_l[r] · S[c, r]
 
-with unary the drafter logit of c at position l, P / S the predecessor / successor
-codebooks [V, r], Hh_l = hidden_projection(h_l) and p the token chosen at l-1 (the
-anchor at l = 0). A path is walked from the anchor: greedy at T=0, sampled at T>0.
+with unary the drafter logit of c at position l (after the serving scales of
+``scale_logits``, ARCHITECTURE.md §3.4), P / S the predecessor / successor codebooks
+[V, r], Hh_l = hidden_projection(h_l) and p the token chosen at l-1 (the anchor at
+l = 0). A path is walked from the anchor: greedy at T=0, sampled at T>0.
 
 Shapes: N rows (blocks), P = B-1 drafted positions, k candidates, V vocab, r rank.
 """
@@ -20,10 +21,36 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def scale_logits(logits: torch.Tensor, multiplier: float = 1.0, softcap: float | None = None) -> torch.Tensor:
+    """The drafter's served logits: ``cap * tanh(multiplier * logits / cap)`` (no cap when None), fp32.
+
+    Elementwise and increasing (multiplier > 0), so argmax and top-k *sets* are those of the raw
+    logits. Same operations in the same order as vLLM's DFlash2 candidate scores (multiply, then
+    cap), so the selector's unary terms agree with it bit for bit. Any shape.
+    """
+    x = logits.float()
+    if multiplier != 1.0:
+        x = x * multiplier
+    if softcap is not None:
+        x = torch.tanh(x / softcap) * softcap
+    return x
+
+
 class CandidateSelector(nn.Module):
-    def __init__(self, vocab: int, hidden: int, rank: int = 256, top_k: int = 16, init_std: float = 0.02):
+    def __init__(
+        self,
+        vocab: int,
+        hidden: int,
+        rank: int = 256,
+        top_k: int = 16,
+        init_std: float = 0.02,
+        output_multiplier: float = 1.0,
+        final_logit_softcapping: float | None = None,
+    ):
         super().__init__()
         self.vocab, self.rank, self.top_k = vocab, rank, top_k
+        # applied to the top-k values only (what serving engines do): see ``candidates``
+        self.output_multiplier, self.final_logit_softcapping = output_multiplier, final_logit_softcapping
         # Plain Parameters (not nn.Embedding) so the state-dict keys are exactly
         # candidate_selector.{predecessor,successor}_codebook (vLLM's names).
         self.predecessor_codebook = nn.Parameter(torch.empty(vocab, rank))
@@ -42,9 +69,13 @@ class CandidateSelector(nn.Module):
 
     # ------------------------------------------------------------------ scoring
     def candidates(self, logits: torch.Tensor):
-        """logits (N, P, V) -> cand_ids (N, P, k) sorted by logit desc, unary (N, P, k) raw logits."""
-        unary, cand_ids = torch.topk(logits, self.top_k, dim=-1)
-        return cand_ids, unary
+        """Raw drafter logits (N, P, V) -> cand_ids (N, P, k) sorted by logit desc, unary (N, P, k) fp32.
+
+        Top-k of the *raw* logits, then ``scale_logits`` on the k values: the order engines use
+        (a cap can make distinct raw logits equal; candidates keep the raw order, so ties in the
+        scores still go to the higher raw logit)."""
+        raw, cand_ids = torch.topk(logits, self.top_k, dim=-1)
+        return cand_ids, scale_logits(raw, self.output_multiplier, self.final_logit_softcapping)
 
     def edge_scores(self, hidden, pred_ids, cand_ids, unary):
         """Edge scores from predecessor(s) to the k candidates.

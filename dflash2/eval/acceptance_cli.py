@@ -39,7 +39,6 @@ def run(cfg) -> dict:
     from dflash2.data.split_record import recorded_training_data
     from dflash2.drafter.io import load_drafter
     from dflash2.eval.acceptance import evaluate_acceptance
-    from dflash2.eval.prompt_counts import counts_line
     from dflash2.eval.prompts import prompt_set
     from dflash2.oom import EVAL_KNOBS, explain_oom, knob_hints
     from dflash2.target import TargetModel
@@ -87,8 +86,6 @@ def run(cfg) -> dict:
             prompt_set=prompts.info,
         )
     lossless = {None: "not checked", True: "true", False: "FALSE"}[results["lossless"]]
-    if counts_line(results["prompt_counts"]):
-        log.info(f"note: {counts_line(results['prompt_counts'])}")
     log.info(
         f"mean tau {results['mean_tau']:.3f} over {results['steps']} steps, {results['num_prompts']} prompts "
         f"({results['skipped_prompts']} skipped); lossless {lossless}; results in {cfg.paths.output_dir}"

@@ -53,11 +53,13 @@ class DraftContext:
     def __init__(self, lengths: torch.Tensor, kv: KVCache, taps: torch.Tensor):
         self.lengths, self.kv, self.taps = lengths, kv, taps
 
-    def meta(self, T: int, kv_len: int | None = None, attend: bool = True) -> StepMeta:
+    def meta(self, T: int, kv_len: int | None = None, attend: bool = True, window: int | None = None) -> StepMeta:
         """Positions lengths + 0..T-1 per row, their write index and (attend) the draft mask.
 
         Mask (N, 1, 1, S), broadcast over heads and queries: key s is visible iff s < lengths + T,
-        the row's context and the whole block (bidirectional inside the block, §2.5).
+        the row's context and the whole block (bidirectional inside the block, §2.5). With ``window``
+        (sliding_attention layers, §2.4) also |position − s| < window (cache index = position), per
+        query: (N, 1, G·T, S) in the folded-GQA row order g·T + t.
         """
         device = self.lengths.device
         positions = self.lengths[:, None] + torch.arange(T, device=device)  # (N, T)
@@ -68,6 +70,9 @@ class DraftContext:
         kv_len = self.kv.max_len if kv_len is None else kv_len
         keys = torch.arange(kv_len, device=device)
         mask = (keys[None, :] < (self.lengths + T)[:, None])[:, None, None, :]  # (N, 1, 1, S)
+        if window is not None:
+            inside = (positions[:, :, None] - keys).abs() < window  # (N, T, S)
+            mask = (mask & inside[:, None]).repeat(1, 1, self.kv.groups, 1)  # (N, 1, G·T, S)
         return StepMeta(positions, write_index, mask, kv_len)
 
 
@@ -163,16 +168,19 @@ class RuntimeDrafter:
         """
         N, B = anchor.shape[0], self.block_size
         ids = torch.cat([anchor[:, None], anchor.new_full((N, B - 1), self.config.mask_token_id)], dim=1)
-        h = self.target.embed(ids).to(self.dtype)  # (N, B, d): the target's frozen embedding
+        h = self.drafter.embed_block(ids, self.target.embed).to(self.dtype)  # (N, B, d): the target's embedding
         meta = ctx.meta(B, kv_len)
+        sliding = self.drafter.sliding_layers
+        window_meta = ctx.meta(B, kv_len, window=self.config.sliding_window) if any(sliding) else None
         cos, sin = rope_cos_sin(meta.positions, self.config.head_dim, self.config.rope_theta, h.dtype)
         for i, layer in enumerate(self.drafter.layers):
+            m = window_meta if sliding[i] else meta
             # the layer's own sub-layer wiring (norm, DFlash2 pre/post conv, residual), our attention inside
             h = layer._sublayer(
                 h,
                 layer.input_layernorm,
                 layer.attention_conv,
-                lambda x, layer=layer, i=i: self._attention(layer.self_attn, x, cos, sin, ctx.kv, i, meta),
+                lambda x, layer=layer, i=i, m=m: self._attention(layer.self_attn, x, cos, sin, ctx.kv, i, m),
             )
             h = layer._sublayer(h, layer.post_attention_layernorm, layer.mlp_conv, layer.mlp)
         return self.drafter.norm(h)
@@ -202,5 +210,6 @@ class RuntimeDrafter:
             return Proposal(tokens) if params.greedy else Proposal.point_mass(tokens)
         if selector is not None:
             return selector_sample_sparse(selector, h, logits, anchor, params.temperature, generator)
-        q = warp_probs(logits, params)  # (N, P, V): the same warp as the target's p
+        # (N, P, V): the drafter's served logits (§3.4), the same warp as the target's p
+        q = warp_probs(self.drafter.block_logits(h, self.target.lm_head, raw=logits), params)
         return Proposal(sample(q, generator), dense=q)

