@@ -210,3 +210,25 @@ def test_bf16_inputs_fp32_state(device, native):
     conv_ref, rec_ref = gdn_replay(case["conv_state"], case["rec_state"], log, n)  # same log: tight
     torch.testing.assert_close(rec, rec_ref, **F32)
     torch.testing.assert_close(conv, conv_ref, rtol=0, atol=0)
+
+
+def test_cpu_without_the_interpreter_names_the_fix():
+    """In a process that imported triton without TRITON_INTERPRET, a Triton mode on CPU tensors fails
+    with the fix in the message (instead of Triton's own error about pointers)."""
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    code = (
+        "import torch\n"
+        "from test_runtime_gdn_kernels import make_case\n"
+        "from dflash2.runtime.kernels.gdn_verify import gdn_verify_triton\n"
+        "try:\n"
+        "    gdn_verify_triton(**make_case(1, 2))\n"
+        "except RuntimeError as e:\n"
+        "    print(e)\n"
+    )
+    env = {k: v for k, v in subprocess_env().items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "TRITON_INTERPRET=1" in out.stdout, out.stderr[-2000:]
