@@ -472,7 +472,7 @@ def _data_summary(source: DrafterSource) -> str:
             import yaml
 
             data = (yaml.safe_load(hydra_cfg.read_text()) or {}).get("data") or {}
-            keys = ("sources", "num_train_prompts", "response_tokens", "sampling")
+            keys = ("sources", "chat", "num_train_prompts", "response_tokens", "sampling")
             return ", ".join(f"{k}={data[k]}" for k in keys if k in data) or "not recorded"
         except Exception:
             pass

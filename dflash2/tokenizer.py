@@ -28,6 +28,17 @@ PAD_TOKEN = "<|pad|>"
 MASK_TOKEN = "<|mask|>"
 SPECIAL_TOKENS = [EOS_TOKEN, PAD_TOKEN, MASK_TOKEN]  # ids 0, 1, 2 in this order
 
+# The project's chat template (ARCHITECTURE.md §2.8): plain text with a role marker line per
+# turn, e.g. "# <|user|>\nWrite the Python module json/decoder.py.\n# <|assistant|>\n".
+# No special role tokens: new ids would change the vocabulary of every target already built
+# (and stay untrained in its embedding). Marker lines that read as Python comments are what a
+# target pretrained on raw code continues most naturally. It is applied by dflash2 to
+# tokenizers without a template of their own (``data.chat.template``), not saved into the
+# tokenizer files: prompt files of code-trained drafters stay plain continuations.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}# <|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}# <|assistant|>\n{% endif %}"
+)
 _BYTE_ALPHABET = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins for bytes
 _MIN_VOCAB = len(SPECIAL_TOKENS) + len(_BYTE_ALPHABET)  # 259: nothing smaller can cover all bytes
 _MODEL_MAX_LENGTH = 1 << 30  # the model, not the tokenizer, limits length; avoid HF's length warnings

@@ -63,6 +63,8 @@ def test_drafter_v1_and_v2_differ_only_in_additions(tmp_path):
     assert v2.use_local_conv and v2.use_selector
     diff = {k for k in v1 if v1[k] != v2[k]}
     assert diff == {"version", "use_local_conv", "use_selector"}
+    # Selector training options default to the behaviour before they existed, until the ablation sets them.
+    assert v2.selector_gold_injection is False and v2.selector_zero_successor_init is False
 
 
 def test_experiments_set_the_task(tmp_path):
@@ -139,3 +141,23 @@ def test_eval_acceptance_config_composes_with_its_prompt_options(tmp_path):
     OmegaConf.resolve(cfg)
     assert cfg.prompts == "heldout" and cfg.num_prompts is None  # a prompts file is evaluated whole
     assert cfg.prompt_seed == 7 and cfg.prompt_position in POSITIONS and cfg.prompts_per_document == 1
+
+
+@pytest.mark.parametrize("overrides", [[], ["shape=qwen3_8b", "batch_sizes=[1]"], ["target=T", "drafter=D", "runs=5"]])
+def test_eval_speedup_config_composes(overrides, tmp_path):
+    """configs/eval_speedup.yaml composes (through the ConfigStore, as `python -m eval.speedup` loads it)."""
+    from hydra import initialize
+    from hydra.core.config_store import ConfigStore
+
+    from dflash2.eval.acceptance_cli import config_file
+    from dflash2.eval.speedup_cli import CONFIG_NAME
+
+    ConfigStore.instance().store(name=CONFIG_NAME, node=OmegaConf.load(config_file(CONFIG_NAME)))
+    GlobalHydra.instance().clear()
+    with initialize(version_base="1.3", config_path=None):
+        cfg = compose(CONFIG_NAME, overrides=[f"paths.output_dir={tmp_path}", *overrides])
+    GlobalHydra.instance().clear()
+    assert list(cfg.batch_sizes) in ([1, 8], [1]) and cfg.dtype == "bfloat16" and cfg.max_new_tokens > 0
+    assert cfg.paths.output_dir == str(tmp_path)
+    if overrides:
+        assert cfg.shape == "qwen3_8b" or (cfg.target, cfg.drafter, cfg.runs) == ("T", "D", 5)

@@ -2,9 +2,11 @@
 
 import itertools
 
+import pytest
 import torch
 
 from dflash2.drafter import CandidateSelector
+from dflash2.drafter.selector import scale_logits
 
 V, D = 64, 32
 
@@ -149,3 +151,133 @@ def test_loss_finite_and_decreases():
     loss, _ = sel.loss(hidden, logits, anchor, labels, mask, detach_hidden=False)
     loss.backward()
     assert hidden.grad is not None and logits.grad is None
+
+
+# ------------------------------------------------------------------ training options (issue 12 item 5)
+def _outside_top_k_case(k=3, P=4, N=6, softcap=None):
+    """A selector with a strong pair term and labels: position (0, 1) and (2, 3) outside the top-k."""
+    sel = make(k=k, rank=8, scale=0.5)
+    sel.final_logit_softcapping = softcap
+    hidden, logits, anchor = toy(N=N, P=P, seed=5)
+    cand, _ = sel.candidates(logits)
+    labels = cand[..., 1].clone()  # inside the top-k: the second candidate
+    # Outside: tokens that are no candidate at any position (so only injection can make them one).
+    absent = [t for t in range(V) if not (cand == t).any()]
+    labels[0, 1], labels[2, 3] = absent[0], absent[1]
+    mask = torch.ones(N, P, dtype=torch.bool)
+    mask[4, 3] = False  # the last slot: in training a masked label has only masked ones after it
+    return sel, hidden, logits, anchor, labels, mask
+
+
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_gold_injection_adds_the_label_as_a_candidate_where_it_is_outside_the_top_k(softcap):
+    sel, hidden, logits, anchor, labels, mask = _outside_top_k_case(softcap=softcap)
+    dropped, stats = sel.loss(hidden, logits, anchor, labels, mask)
+    injected, stats_inj = sel.loss(hidden, logits, anchor, labels, mask, inject_gold=True)
+    cand, _ = sel.candidates(logits)
+    with torch.no_grad():
+        ces = {}
+        for n in range(6):
+            for pos in range(4):
+                if not mask[n, pos]:
+                    continue
+                pred = anchor[n] if pos == 0 else labels[n, pos - 1]
+                options = cand[n, pos].tolist()
+                if labels[n, pos] not in options:
+                    options.append(int(labels[n, pos]))  # the injected gold candidate
+                # the injected label's unary is scaled like the top-k ones (softcap, ARCHITECTURE.md §3.4)
+                served = scale_logits(logits, 1.0, softcap)
+                scores = torch.stack([edge(sel, hidden, served, n, pos, pred, c) for c in options])
+                ces[(n, pos)] = -torch.log_softmax(scores, 0)[options.index(int(labels[n, pos]))]
+        outside = {(0, 1), (2, 3)}
+        expected_dropped = torch.stack([v for key, v in ces.items() if key not in outside]).mean()
+        expected_injected = torch.stack(list(ces.values())).mean()
+    torch.testing.assert_close(dropped, expected_dropped)
+    torch.testing.assert_close(injected, expected_injected)
+    assert injected > dropped  # the two outside labels are hard: they add loss instead of vanishing
+    assert all(torch.equal(stats[k], stats_inj[k]) for k in stats)  # the same metrics either way
+    # Only with injection does the outside label's successor row learn (it is a candidate nowhere else).
+    for inject in (False, True):
+        sel.zero_grad()
+        sel.loss(hidden, logits, anchor, labels, mask, inject_gold=inject)[0].backward()
+        grad = sel.successor_codebook.grad[labels[0, 1]].abs().sum()
+        assert (grad > 0) == inject
+
+
+def test_gold_injection_changes_nothing_when_every_label_is_a_candidate():
+    sel, hidden, logits, anchor, labels, mask = _outside_top_k_case()
+    mask[0, 1] = mask[2, 3] = False  # drop the two outside labels
+    a, _ = sel.loss(hidden, logits, anchor, labels, mask)
+    b, _ = sel.loss(hidden, logits, anchor, labels, mask, inject_gold=True)
+    assert torch.equal(a, b)
+
+
+def test_zero_successor_init_makes_the_selector_exactly_argmax_and_still_trainable():
+    sel = make(k=4, scale=1.0)  # a pair term large enough to reorder candidates ...
+    hidden, logits, anchor = toy(N=8, P=5, seed=2)
+    assert not torch.equal(sel.greedy_path(hidden, logits, anchor), logits.argmax(-1))
+    sel.zero_successor_()  # ... and gone
+    cand, unary = sel.candidates(logits)
+    pred = torch.randint(0, V, (8, 5))
+    assert torch.equal(sel.edge_scores(hidden, pred, cand, unary), unary.float())
+    assert torch.equal(sel.greedy_path(hidden, logits, anchor), logits.argmax(-1))
+    labels = cand[..., 2]
+    loss, _ = sel.loss(hidden, logits, anchor, labels, torch.ones(8, 5, dtype=torch.bool))
+    loss.backward()
+    assert sel.successor_codebook.grad.abs().sum() > 0  # the codebook moves at the first step
+    assert sel.predecessor_codebook.grad.abs().sum() == 0  # the others follow once it has
+
+
+def test_fresh_dflash2_with_zero_successor_init_drafts_exactly_what_argmax_drafts(make_spec_target):
+    from omegaconf import OmegaConf
+
+    from dflash2.decoding import speculative_generate
+    from dflash2.drafter.from_target import drafter_config_for_target
+    from dflash2.training.train_drafter import fresh_drafter
+
+    target = make_spec_target("qwen3_5")
+    from conftest import REPO
+
+    settings = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / "drafter" / "dflash.yaml"))
+    settings.update(use_local_conv=True, use_selector=True, num_hidden_layers=1, selector_rank=8, selector_top_k=4)
+    settings.update(conv_group_size=8, mask_token_id=target.vocab_size - 1)
+    config = drafter_config_for_target(settings, target)
+    normal = fresh_drafter(config, settings, seed=3).eval()
+    zeroed = fresh_drafter(config, {**settings, "selector_zero_successor_init": True}, seed=3).eval()
+    assert torch.equal(
+        zeroed.candidate_selector.successor_codebook, torch.zeros_like(normal.candidate_selector.successor_codebook)
+    )
+    assert normal.candidate_selector.successor_codebook.abs().sum() > 0  # the option, not the seed, zeroes it
+    argmax = fresh_drafter(config, settings, seed=3).eval()
+    argmax.candidate_selector = None  # plain per-position argmax of the same weights
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    a = speculative_generate(target, zeroed, prompts, max_new_tokens=24)
+    b = speculative_generate(target, argmax, prompts, max_new_tokens=24)
+    assert a.sequences == b.sequences and a.accepted == b.accepted
+    # and every block's drafts, not only the accepted prefix: the selector path is the argmax
+    hidden = torch.randn(3, config.block_size, config.hidden_size)
+    anchor = torch.tensor([1, 2, 3])
+    assert torch.equal(
+        zeroed.drafted_tokens(hidden, target.lm_head, anchor), argmax.drafted_tokens(hidden, target.lm_head, anchor)
+    )
+
+
+def test_the_training_module_passes_gold_injection_to_the_selector(make_spec_target, make_spec_drafter):
+    from dflash2.drafter.objective import anchor_generator
+    from dflash2.training.drafter_module import DrafterTrainingModule
+
+    target = make_spec_target("qwen3")
+    drafter = make_spec_drafter(target, 4, v2=True)
+    kw = dict(num_anchors=4, loss_gamma=4.0, selector_loss_weight=1.0, lr=1e-3, weight_decay=0.0)
+    kw.update(warmup_ratio=0.0, total_steps=1, seed=0)
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "loss_mask": (torch.arange(24) >= 8).long().expand(2, 24)}
+    outs = {
+        inject: DrafterTrainingModule(drafter, target, selector_gold_injection=inject, **kw).block_outputs(
+            batch, anchor_generator(0, 0)
+        )
+        for inject in (False, True)
+    }
+    assert float(outs[True]["selector_stats"]["coverage"]) < 1.0  # random drafter: some labels outside
+    assert outs[True]["selector_loss"] > outs[False]["selector_loss"]
+    assert torch.equal(outs[True]["ce"], outs[False]["ce"])  # the drafter's own loss is untouched

@@ -186,6 +186,30 @@ def test_exact_fold_equals_single_token_decoding(device, T):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_reserved_logs_keep_their_addresses(device):
+    """After reserve(T), every mode's T-token verify writes its log into the reserved tensors (what
+    captured verify and commit graphs share) and the commit through use_static(T) is unchanged."""
+    T, N = 3, 2
+    case = make_case(N, T, device=device, seed=50)
+    n = torch.tensor([1, T], device=device)
+    for mode in ("reference", "replay", "native"):
+        plain, fixed = _gdn_state(case, mode), _gdn_state(case, mode)
+        fixed.reserve(T)
+        reserved = fixed._static[T][0]
+        ptrs = [t.data_ptr() for t in vars(reserved).values() if t is not None]
+        o_plain = plain.verify(0, *_inputs(case))
+        o_fixed = fixed.verify(0, *_inputs(case))
+        assert [t.data_ptr() for t in vars(fixed.logs[0]).values() if t is not None] == ptrs, mode
+        assert reserved.native == (mode == "native")
+        fixed.logs = [None]  # as a graph replay leaves them: the commit must find the reserved ones
+        fixed.use_static(T)
+        plain.commit(n)
+        fixed.commit(n)
+        assert torch.equal(o_plain, o_fixed) and torch.equal(plain.rec, fixed.rec), mode
+        assert torch.equal(plain.conv, fixed.conv), mode
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("native", [False, True], ids=["replayssm", "native"])
 def test_bf16_inputs_fp32_state(device, native):
     """bf16 projections / conv window / outputs with the fp32 state, as a bf16 model runs.

@@ -74,9 +74,7 @@ def test_random_drafter_and_ar_equal_greedy(hybrid, device):
 @pytest.mark.parametrize("mode", ["replay", "native"])
 def test_long_generation_on_the_gpu_equals_reference_mode(hf_targets, mode, monkeypatch):
     """fp32 on the GPU, 300 tokens: the Triton modes emit what the plain-PyTorch GDN path emits,
-    eager and as CUDA graphs (the kernels captured, logs re-pointed after each replay)."""
-    from dflash2.runtime.graphs import GraphedTarget
-
+    eager and as CUDA graphs (the kernels captured, logs at the state's reserved addresses)."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # the reference conv in full fp32
     hf, folder = hf_targets["qwen3_5"]
     target = TargetModel(hf, target_layer_ids=TAPS)
@@ -87,6 +85,5 @@ def test_long_generation_on_the_gpu_equals_reference_mode(hf_targets, mode, monk
         out[m] = generate_spec(model, RuntimeDrafter(drafter, model), PROMPTS, 300).sequences
         assert out[m] == generate_ar(model, PROMPTS, 300), m
     assert out[mode] == out["reference"]
-    graphed = GraphedTarget(load_model(folder, target_layer_ids=TAPS, gdn_mode=mode, device="cuda"))
-    assert generate_spec(graphed, RuntimeDrafter(drafter, graphed), PROMPTS, 300).sequences == out[mode]
-    assert graphed.captures > 0
+    model = load_model(folder, target_layer_ids=TAPS, gdn_mode=mode, device="cuda")
+    assert generate_spec(model, RuntimeDrafter(drafter, model), PROMPTS, 300, graphs=True).sequences == out[mode]

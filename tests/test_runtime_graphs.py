@@ -1,10 +1,11 @@
-"""CUDA graphs of the runtime's fixed-shape steps (dflash2.runtime.graphs) against eager execution.
+"""The reusable Decoder (dflash2.runtime.engine) and its CUDA graphs (dflash2.runtime.graphs).
 
-On a GPU: a graphed target and an eager one drive two identical states through the same
-AR (T=1) and verify (T=B) steps with ragged commits; logits, taps, lengths and GDN states
-must agree after every step, and whole generations through the graphed target must equal
-eager ones token for token (and HF greedy). On the CPU the wrapper is a pass-through,
-checked once through the engine so its delegation stays correct.
+CPU: one Decoder serves many generations (AR and speculative, several batch sizes, rows
+padded to their batch bucket) and every one equals HF greedy; the phase timer reports
+every phase. GPU: a graphed Decoder and an eager one step through the same generations
+and agree on every loop buffer and cache after every step; graphs are captured once per
+(bucket, phase, attended-length bucket) and only replayed by later generations; whole
+generations through graphs equal eager ones and HF greedy for the three families.
 """
 
 import pytest
@@ -12,10 +13,9 @@ import torch
 from conftest import nontrivial_dflash2, spec_drafter
 
 from dflash2.decoding import greedy_generate
-from dflash2.runtime import load_model
+from dflash2.runtime import Decoder, load_model
 from dflash2.runtime.drafter import RuntimeDrafter
-from dflash2.runtime.engine import generate_ar, generate_spec
-from dflash2.runtime.graphs import GraphedTarget, batch_bucket
+from dflash2.runtime.graphs import PhaseTimer, batch_bucket
 
 TAPS = [0, 1]
 PROMPTS = [[5, 9, 2, 7, 1, 3, 8], [4, 4, 6], [11, 2, 9, 30, 31, 7, 7, 1, 2, 3, 4, 5], [6]]
@@ -25,76 +25,80 @@ def test_batch_buckets():
     assert [batch_bucket(n) for n in (1, 2, 3, 5, 8, 9, 100, 129)] == [1, 2, 4, 8, 8, 16, 128, 129]
 
 
-def test_cpu_is_a_pass_through_in_the_engine(hf_targets):
+def _pair(hf_targets, kind, device="cpu", block=8):
     from dflash2.target import TargetModel
 
-    hf, folder = hf_targets["qwen3"]
-    model = load_model(folder, target_layer_ids=TAPS)
-    graphed = GraphedTarget(model)
-    drafter = spec_drafter(TargetModel(hf, target_layer_ids=TAPS), 4)
-    assert generate_ar(graphed, PROMPTS, 20) == generate_ar(model, PROMPTS, 20)
-    spec = generate_spec(graphed, RuntimeDrafter(drafter, graphed), PROMPTS, 20)
-    assert spec.sequences == generate_ar(model, PROMPTS, 20) and graphed.captures == 0
+    hf, folder = hf_targets[kind]
+    target = TargetModel(hf, target_layer_ids=TAPS)
+    model = load_model(folder, device=device, target_layer_ids=TAPS)
+    drafter = nontrivial_dflash2(spec_drafter(target, block, v2=True, seed=2)).to(device)
+    return target, model, RuntimeDrafter(drafter, model)
 
 
-def _pair_of_states(model, N, max_len=64):
-    """Two states with the same ragged prefill (eager)."""
-    ids = torch.randint(0, 120, (N, 9), generator=torch.Generator().manual_seed(0)).cuda()
-    lengths = torch.tensor([9, 4, 7, 2][:N]).cuda()
-    states = [model.new_state(N, max_len) for _ in range(2)]
-    for s in states:
-        model(ids, s, logits_index=lengths - 1)
-        s.commit(lengths)
-    return states
+def test_one_decoder_many_generations_cpu(hf_targets):
+    """Slots are reused across generations and batch sizes; padded rows change nothing."""
+    target, model, drafter = _pair(hf_targets, "qwen3_5")
+    ref = greedy_generate(target, PROMPTS, 30)
+    dec = Decoder(model, drafter, max_len=64, pad=True)
+    dec.timer = PhaseTimer("cpu")
+    assert dec.generate_spec(PROMPTS[:3], 30).sequences == ref[:3]  # 3 rows in the 4-row slot
+    assert dec.generate_ar(PROMPTS, 30) == ref
+    assert dec.generate_spec(PROMPTS[1:2], 30).sequences == ref[1:2]  # the 1-row slot
+    assert dec.generate_spec(PROMPTS, 30).sequences == ref  # the 4-row slot again, reset
+    assert sorted(dec.slots) == [1, 4] and dec.captures == 0
+    times = dec.timer.summary()
+    assert {"draft", "verify", "accept", "commit", "step", "gap"} <= set(times)
+    assert all(t >= 0 for ts in times.values() for t in ts)
+    with pytest.raises(Exception, match="max_len"):
+        dec.generate_ar(PROMPTS, 60)
+
+
+def _snapshot(s):
+    parts = [s.state.lengths, s.count, s.active, s.token, s.out]
+    if s.state.gdn is not None:
+        parts += [s.state.gdn.rec, s.state.gdn.conv]
+    if s.ctx is not None:
+        parts += [s.ctx.lengths]
+    return [p.detach().clone().cpu() for p in parts]
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("N", [1, 4])
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
-def test_graph_replay_equals_eager_steps(hf_targets, kind, N):
-    model = load_model(hf_targets[kind][1], device="cuda", target_layer_ids=TAPS)
-    graphed = GraphedTarget(model)
-    eager_state, graph_state = _pair_of_states(model, N)
-    g = torch.Generator().manual_seed(1)
-    taps_buf = torch.zeros(N, 8, 2 * model.hidden_size, device="cuda")  # a drafter-context-like buffer
-    # (T, kv_len, commit per row): AR steps, verify steps with ragged commits, a second kv_len bucket
-    schedule = [(1, 64, [1, 1, 1, 1]), (8, 64, [3, 8, 1, 5]), (1, 64, [1, 1, 1, 1]), (8, 64, [1, 2, 8, 4])] * 2
-    schedule += [(8, 48, [2, 1, 1, 3]), (1, 48, [1, 1, 1, 1])]
-    for T, kv_len, n in schedule:
-        tokens = torch.randint(0, 120, (N, T), generator=g).cuda()
-        buf = taps_buf[:, :T] if T == 8 else None
-        ref = model(tokens, eager_state, kv_len=kv_len)
-        got = graphed(tokens, graph_state, taps_out=buf, kv_len=kv_len)
-        torch.testing.assert_close(got.logits, ref.logits, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(got.taps, ref.taps, rtol=1e-5, atol=1e-5)
-        if buf is not None:
-            assert got.taps.data_ptr() == buf.data_ptr()  # written straight into the caller's buffer
-        commit = torch.tensor(n[:N]).cuda()
-        eager_state.commit(commit)
-        graph_state.commit(commit)
-        assert torch.equal(eager_state.lengths, graph_state.lengths)
-        if kind == "qwen3_5":
-            torch.testing.assert_close(graph_state.gdn.rec, eager_state.gdn.rec, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(graph_state.gdn.conv, eager_state.gdn.conv, rtol=1e-5, atol=1e-5)
-    assert graphed.num_graphs == 4  # (T=1, 64), (T=8, 64, buffer), (T=8, 48, buffer), (T=1, 48)
+def test_graph_replay_equals_eager_step_by_step(hf_targets, kind, monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # fp32 means fp32 (GDN conv)
+    _, model, drafter = _pair(hf_targets, kind, "cuda")
+    runs = {}
+    for graphs in (False, True):
+        dec = Decoder(model, drafter, max_len=128, graphs=graphs, pad=True)
+        snaps = []
+        dec.on_step = lambda s, snaps=snaps: snaps.append(_snapshot(s))
+        dec.generate_spec(PROMPTS[:3], 40)
+        dec.generate_ar(PROMPTS[:3], 20)
+        runs[graphs] = (dec, snaps)
+    (eager, ref), (graphed, got) = runs[False], runs[True]
+    assert len(got) == len(ref) and eager.captures == 0
+    for a, b in zip(got, ref):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    captured = graphed.captures
+    assert captured >= 7  # draft, verify, accept, commit(B); AR forward, accept, commit(1)
+    graphed.generate_spec(PROMPTS[:3], 40)  # same bucket, same lengths: replays only
+    graphed.generate_ar(PROMPTS[:3], 20)
+    assert graphed.captures == captured
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen3_5"])
 def test_graphed_generation_equals_eager_and_hf(hf_targets, kind, monkeypatch):
     """fp32 on the GPU: AR and speculative decoding through graphs == eager == HF greedy (CPU)."""
-    # fp32 means fp32: cuDNN may run the GDN conv in TF32 by default, rounding far above fp32
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    from dflash2.target import TargetModel
-
-    hf, folder = hf_targets[kind]
-    target = TargetModel(hf, target_layer_ids=TAPS)
+    target, model, drafter = _pair(hf_targets, kind, "cuda")
     ref = greedy_generate(target, PROMPTS, 40)
-    model = load_model(folder, device="cuda", target_layer_ids=TAPS)
-    graphed = GraphedTarget(model)
-    drafter = nontrivial_dflash2(spec_drafter(target, 8, v2=True, seed=2)).cuda()
-    assert generate_ar(graphed, PROMPTS, 40) == generate_ar(model, PROMPTS, 40) == ref
-    spec = generate_spec(graphed, RuntimeDrafter(drafter, graphed), PROMPTS, 40)
-    assert spec.sequences == ref
-    assert graphed.captures == 2  # the AR step and the verify step (one kv_len bucket each)
-    assert graphed.num_graphs == 0  # each generation's state is gone, and its graphs with it
+    graphed = Decoder(model, drafter, max_len=128)
+    eager = Decoder(model, drafter, max_len=128, graphs=False)
+    assert graphed.graphs and graphed.pad
+    for _ in range(2):  # the second round replays what the first captured
+        assert graphed.generate_ar(PROMPTS, 40) == eager.generate_ar(PROMPTS, 40) == ref
+        assert graphed.generate_spec(PROMPTS, 40).sequences == ref
+        assert graphed.generate_spec(PROMPTS[:1], 40).sequences == ref[:1]  # the 1-row bucket
+    assert graphed.captures > 0

@@ -1,19 +1,23 @@
 """Prompts for response regeneration (issue 3).
 
 Code corpora: a prompt is a file's prefix of random length (in tokens), so the
-target continues real code from a real point. (Chat datasets, whose prompts are
-the user turns, are not wired into training yet.) Prompts are grouped so that
-every batch of `batch_size` prompts shares one length: batched generation then
-needs no padding, which matters for hybrid GDN targets whose recurrent layers
-would otherwise fold pad tokens into their state.
+target continues real code from a real point. Chat data: a prompt is a
+conversation up to one of its assistant turns, through the chat template
+(ARCHITECTURE.md §2.8). Prompts are grouped so that every batch shares one
+length: batched generation then needs no padding, which matters for hybrid GDN
+targets whose recurrent layers would otherwise fold pad tokens into their state.
+Chat prompts cannot be cut to a drawn length, so only prompts of equal length
+share a batch (on real chat data most batches hold a single prompt).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
+from dflash2.data.chat_format import BadRow, Conversation, RowCounts, render_prompt, turn_prompts
 from dflash2.errors import DFlash2Error
 
 
@@ -79,4 +83,51 @@ def code_prompt_batches(
             continue
         batches.append(PromptBatch(np.asarray(rows, dtype=np.int64), keys))
         made += n
+    return batches
+
+
+def chat_prompt_batches(
+    conversations: Iterable[Conversation],
+    tokenizer,
+    *,
+    template: str,
+    num_prompts: int | None,
+    max_tokens: int,
+    batch_size: int,
+    counts: RowCounts,
+) -> list[PromptBatch]:
+    """One prompt per assistant turn (``chat_format.turn_prompts``) until ``num_prompts`` (None: all).
+
+    Conversations are taken in the given order; one without an assistant turn is skipped and
+    counted, and so is a turn whose prompt is over ``max_tokens`` tokens (``counts.turns`` counts
+    the prompts made). Batches group prompts of equal length, shortest first; ``keys`` name the
+    conversation and turn.
+    """
+    prompts: list[tuple[list[int], str]] = []
+    for conversation in conversations:
+        if num_prompts is not None and len(prompts) >= num_prompts:
+            break
+        try:
+            turns = turn_prompts(conversation.messages)
+        except BadRow as e:
+            counts.skip(e.reason)
+            continue
+        for t, messages in enumerate(turns):
+            ids = render_prompt(messages, tokenizer, template)
+            if len(ids) > max_tokens:
+                counts.skip("over_long")
+                continue
+            if num_prompts is None or len(prompts) < num_prompts:
+                prompts.append((ids, f"{conversation.key}#{t}"))
+    counts.turns = len(prompts)
+    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i][0]), i))
+    batches: list[PromptBatch] = []
+    for i in order:
+        ids, key = prompts[i]
+        last = batches[-1] if batches else None
+        if last is not None and last.input_ids.shape[1] == len(ids) and len(last.keys) < batch_size:
+            last.input_ids = np.vstack([last.input_ids, np.asarray([ids], dtype=np.int64)])
+            last.keys.append(key)
+        else:
+            batches.append(PromptBatch(np.asarray([ids], dtype=np.int64), [key]))
     return batches

@@ -1,11 +1,14 @@
 """Regenerate responses with the frozen target and cache them (issue 3, ARCHITECTURE.md §2.6).
 
 The drafter must learn the *target's* distribution, so training responses are
-the target's own continuations of corpus prompts (greedy or sampled). The
-result is a `datasets` Arrow dataset with columns
+the target's own continuations of corpus prompts, or its own replies to chat
+prompts (``data.chat``, ARCHITECTURE.md §2.8), greedy or sampled. The result is
+a `datasets` Arrow dataset with columns
 
     input_ids  list[int]   prompt + response (+ EOS), right-padded per row
-    loss_mask  list[int]   1 on response tokens (EOS included), 0 elsewhere
+    loss_mask  list[int]   1 on response tokens (EOS included), 0 elsewhere: for chat data the
+                           prompt (system / user turns, earlier assistant turns, template
+                           markers) carries no loss, only the regenerated assistant turn does
     prompt_len int
 
 saved under `cache_dir/data/<split>-<key>/`, where the key hashes the
@@ -38,11 +41,15 @@ import torch
 from tqdm.auto import tqdm
 
 from dflash2.corpus import corpus_fingerprint, load_documents, split_kwargs
-from dflash2.data.prompts import code_prompt_batches
+from dflash2.data.chat_format import RowCounts, resolve_template
+from dflash2.data.chat_sources import chat_fingerprint, iter_conversations
+from dflash2.data.prompts import PromptBatch, chat_prompt_batches, code_prompt_batches
 from dflash2.data.shard_store import Shard, ShardStore
 from dflash2.errors import DFlash2Error
+from dflash2.tokenizer import CHAT_TEMPLATE
 
 log = logging.getLogger(__name__)
+CHAT_ROWS = "chat_rows.json"  # beside a chat dataset: what was read and why rows were skipped
 
 
 def target_fingerprint(name_or_path: str | Path) -> str:
@@ -85,11 +92,11 @@ def _content_digest(path: Path, full_below: int = 256 << 20, samples: int = 256,
     return h.digest()
 
 
-def generation_settings(data: dict, split: str, num_prompts: int, seed: int) -> dict:
-    """The settings a regenerated dataset depends on (part of its cache key)."""
+def generation_settings(data: dict, split: str, num_prompts: int | None, seed: int) -> dict:
+    """The settings a regenerated dataset depends on (part of its cache key); num_prompts None: all (chat)."""
     return {
         "split": split,
-        "num_prompts": int(num_prompts),
+        "num_prompts": None if num_prompts is None else int(num_prompts),
         "prompt_min_tokens": int(data["prompt_min_tokens"]),
         "prompt_max_tokens": int(data["prompt_max_tokens"]),
         "response_tokens": int(data["response_tokens"]),
@@ -147,7 +154,15 @@ def generate_responses(
 
 
 def regenerate_split(
-    target, data: dict, *, split: str, num_prompts: int, seed: int, cache_dir: Path, target_id: str, device: str = "cpu"
+    target,
+    data: dict,
+    *,
+    split: str,
+    num_prompts: int | None,
+    seed: int,
+    cache_dir: Path,
+    target_id: str,
+    device: str = "cpu",
 ):
     """Build or load the regenerated dataset of one corpus split; returns a `datasets.Dataset`.
 
@@ -157,40 +172,30 @@ def regenerate_split(
 
     if data["sampling"] not in ("greedy", "sample"):
         raise DFlash2Error(f"data.sampling={data['sampling']!r}: use 'greedy' or 'sample'")
-    sources = data["sources"]
-    split_kw = split_kwargs(data)
-    settings = generation_settings(data, split, num_prompts, seed)
-    key = hashlib.sha256(
-        json.dumps(
-            {
-                "target": target_fingerprint(target_id),
-                "corpus": corpus_fingerprint(sources, split, **split_kw),
-                "settings": settings,
-            },
-            sort_keys=True,
-        ).encode()
-    ).hexdigest()[:16]
-    final = Path(cache_dir) / "data" / f"{split}-{key}"
-    if (final / "dataset_info.json").exists():
-        return datasets.load_from_disk(str(final))
-
     tokenizer = target.tokenizer
     if tokenizer is None:
         raise DFlash2Error(f"target {target_id} has no tokenizer files; regeneration needs one next to the weights")
-    docs = load_documents(sources, split, **split_kw)
-    if not docs:
-        raise DFlash2Error(
-            f"the corpus split '{split}' is empty for data.sources={sources}; add sources or change the split fractions"
-        )
-    batches = code_prompt_batches(
-        docs,
-        tokenizer,
-        num_prompts=num_prompts,
-        min_tokens=int(data["prompt_min_tokens"]),
-        max_tokens=int(data["prompt_max_tokens"]),
-        batch_size=int(data["generation_batch_size"]),
-        seed=seed,
-    )
+    template = chat_template_of(data, tokenizer)
+    inputs = {
+        "target": target_fingerprint(target_id),
+        "corpus": corpus_fingerprint(data["sources"], split, **split_kwargs(data)),
+        "settings": generation_settings(data, split, num_prompts, seed),
+    }
+    if template is not None:
+        inputs["chat"] = {
+            "conversations": chat_fingerprint(data["chat"]["conversations"]),
+            "template": template,
+            "plain_template": hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest()[:16] if template == "plain" else None,
+        }
+    key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+    final = Path(cache_dir) / "data" / f"{split}-{key}"
+    if (final / "dataset_info.json").exists():
+        if (final / CHAT_ROWS).exists():  # the summary of skipped rows, again for this run's log
+            log.info(json.loads((final / CHAT_ROWS).read_text())["summary"])
+        return datasets.load_from_disk(str(final))
+
+    counts = RowCounts() if template is not None else None
+    batches = prompt_batches(tokenizer, data, split=split, num_prompts=num_prompts, seed=seed, counts=counts)
     eos, pad = (
         tokenizer.eos_token_id,
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
@@ -209,12 +214,62 @@ def regenerate_split(
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     dataset.save_to_disk(str(tmp))
+    if counts is not None:
+        summary = counts.summary(f"chat data, {split} split")
+        (tmp / CHAT_ROWS).write_text(json.dumps({"summary": summary, **counts.to_dict()}, indent=2))
     if not final.exists():
         os.replace(tmp, final)
     else:
         shutil.rmtree(tmp)
     store.remove()  # only now: until the rename above, the shards are the only copy of the work
     return datasets.load_from_disk(str(final))
+
+
+def chat_template_of(data: dict, tokenizer) -> str | None:
+    """The chat template a data config uses with this tokenizer ("tokenizer" or "plain"); None for code data."""
+    chat = data.get("chat")
+    return resolve_template(str(chat.get("template", "auto")), tokenizer) if chat else None
+
+
+def prompt_batches(
+    tokenizer, data: dict, *, split: str, num_prompts: int | None, seed: int, counts: RowCounts | None = None
+) -> list[PromptBatch]:
+    """The generation prompts of one split: chat turns when ``data.chat`` is set (skipped rows go
+    into ``counts`` and are logged in one line), else corpus file prefixes."""
+    sources, batch_size = data["sources"], int(data["generation_batch_size"])
+    template = chat_template_of(data, tokenizer)
+    if template is not None:
+        counts = counts if counts is not None else RowCounts()
+        batches = chat_prompt_batches(
+            iter_conversations(data, split, seed, counts),
+            tokenizer,
+            template=template,
+            num_prompts=num_prompts,
+            max_tokens=int(data["prompt_max_tokens"]),
+            batch_size=batch_size,
+            counts=counts,
+        )
+        summary = counts.summary(f"chat data, {split} split")
+        log.info(summary)
+        if not batches:
+            raise DFlash2Error(f"no usable chat prompt in the {split} split ({summary}); check data.chat.conversations")
+        return batches
+    if num_prompts is None:
+        raise DFlash2Error(f"data.num_*_prompts is null for the {split} split; code data needs a number")
+    docs = load_documents(sources, split, **split_kwargs(data))
+    if not docs:
+        raise DFlash2Error(
+            f"the corpus split '{split}' is empty for data.sources={sources}; add sources or change the split fractions"
+        )
+    return code_prompt_batches(
+        docs,
+        tokenizer,
+        num_prompts=num_prompts,
+        min_tokens=int(data["prompt_min_tokens"]),
+        max_tokens=int(data["prompt_max_tokens"]),
+        batch_size=batch_size,
+        seed=seed,
+    )
 
 
 def _generate_resumable(

@@ -30,16 +30,30 @@ DEFAULT_RECORD = {
 }
 
 
-def training_data_record(data: Mapping, seed: int) -> dict:
+def training_data_record(data: Mapping, seed: int, chat_template: str | None = None) -> dict:
     """The record of a run's ``data`` config (a plain mapping): JSON-able, with every source
-    normalized (defaults filled, folders as absolute paths) so it reads the same from any cwd."""
-    return {
+    normalized (defaults filled, folders as absolute paths) so it reads the same from any cwd.
+
+    Chat data (``data.chat``) adds ``chat``: its conversation sources, the template the prompts
+    went through (``chat_template``: "tokenizer" or "plain") and the prompt budget, so that
+    evaluation draws and renders held-out chat prompts the way training did.
+    """
+    record = {
         "sources": resolved_sources(data["sources"]),
         **split_kwargs(data),
         "max_file_bytes": int(data.get("max_file_bytes", DEFAULT_MAX_FILE_BYTES)),
         "split_rule": SPLIT_RULE,
         "seed": int(seed),
     }
+    if data.get("chat"):
+        from dflash2.data.chat_sources import normalize_chat_sources
+
+        record["chat"] = {
+            "conversations": normalize_chat_sources(data["chat"]["conversations"]),
+            "template": chat_template,
+            "prompt_max_tokens": int(data["prompt_max_tokens"]),
+        }
+    return record
 
 
 def read_training_data(drafter_dir) -> dict:

@@ -67,6 +67,18 @@ class CandidateSelector(nn.Module):
         for p in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection.weight):
             nn.init.normal_(p, std=self.init_std)
 
+    @torch.no_grad()
+    def zero_successor_(self) -> CandidateSelector:
+        """Set the successor codebook to zero (a training option, ``drafter.selector_zero_successor_init``).
+
+        The pair term Σ_r P[p, r]·Hh[r]·S[c, r] is then exactly 0, so every score is the drafter's
+        logit and the greedy path is exactly the per-position argmax: a fresh selector changes no
+        draft. Training still moves it: ∂loss/∂S[c] = P[p] ⊙ Hh · (softmax − onehot)[c] is not zero,
+        and P and Hh receive gradient as soon as S is (the LoRA-B = 0 pattern).
+        """
+        self.successor_codebook.zero_()
+        return self
+
     # ------------------------------------------------------------------ scoring
     def candidates(self, logits: torch.Tensor):
         """Raw drafter logits (N, P, V) -> cand_ids (N, P, k) sorted by logit desc, unary (N, P, k) fp32.
@@ -167,7 +179,17 @@ class CandidateSelector(nn.Module):
         return torch.stack(out, dim=1), q
 
     # ------------------------------------------------------------------ training
-    def loss(self, hidden, logits, anchor_ids, labels, label_mask, weight=None, detach_hidden: bool = True):
+    def loss(
+        self,
+        hidden,
+        logits,
+        anchor_ids,
+        labels,
+        label_mask,
+        weight=None,
+        detach_hidden: bool = True,
+        inject_gold: bool = False,
+    ):
         """Teacher-forced candidate-set cross-entropy.
 
         hidden (N, P, d), logits (N, P, V), anchor_ids (N,), labels (N, P) long,
@@ -184,11 +206,16 @@ class CandidateSelector(nn.Module):
           drafter hidden state, for the same reason: the selector is a pure head and a
           v2 drafter's backbone sees exactly the v1 objective. Pass False to let the
           pairwise term shape the backbone (a joint-training ablation).
-        * CE over the k candidate scores with target = the label's candidate index,
-          only where the label is among the candidates (and label_mask); a label
-          outside the top-k cannot be produced by any path, so it carries no signal.
+        * CE over the k candidate scores with target = the label's candidate index.
+          Where the label is outside the top-k: with ``inject_gold=False`` (default) the
+          position is dropped, since no path can produce that label; with
+          ``inject_gold=True`` the label is added as a (k+1)-th candidate (its own detached
+          logit as unary) and is the CE target, so every labelled position trains the
+          pair term, as peers' trainers do (ARCHITECTURE.md §3.2). Where the label is
+          already a candidate the extra slot is masked out (-inf), so the CE is over the
+          same k candidates in both modes.
         Stats: coverage (label in top-k, over label_mask), top1 (drafter argmax right),
-        acc (selector argmax right, teacher-forced), all over label_mask.
+        acc (selector argmax over the k real candidates right, teacher-forced), all over label_mask.
         """
         logits = logits.detach()
         if detach_hidden:
@@ -196,19 +223,30 @@ class CandidateSelector(nn.Module):
         safe = labels.masked_fill(~label_mask, 0)  # (N, P) in-vocab ids for indexing
         pred_ids = torch.cat([anchor_ids[:, None], safe[:, :-1]], dim=1)  # (N, P)
         cand_ids, unary = self.candidates(logits)  # (N, P, k)
-        scores = self.edge_scores(hidden, pred_ids, cand_ids, unary)  # (N, P, k) fp32
         match = cand_ids == safe[..., None]  # (N, P, k)
         covered = match.any(-1) & label_mask  # (N, P)
-        target = match.float().argmax(-1)  # (N, P), 0 where not covered (masked out)
+        target = match.float().argmax(-1)  # (N, P), 0 where not covered
+        if inject_gold:
+            k = cand_ids.shape[-1]
+            cand_ids = torch.cat([cand_ids, safe[..., None]], dim=-1)  # (N, P, k+1): the label last
+            gold = scale_logits(
+                logits.gather(-1, safe[..., None]), self.output_multiplier, self.final_logit_softcapping
+            )
+            unary = torch.cat([unary, gold], dim=-1)  # the label's unary scaled like the top-k ones
+            target = torch.where(covered, target, torch.full_like(target, k))
+        scores = self.edge_scores(hidden, pred_ids, cand_ids, unary)  # (N, P, k or k+1) fp32
+        if inject_gold:  # the extra slot is a duplicate where the label is a candidate already
+            dup = F.pad(covered[..., None], (k, 0))  # (N, P, k+1), True only in the last slot
+            scores = scores.masked_fill(dup, float("-inf"))
         ce = F.cross_entropy(scores.flatten(0, 1), target.flatten(), reduction="none").view_as(target)
-        w = covered.float()
+        w = (label_mask if inject_gold else covered).float()
         if weight is not None:
             w = w * weight.to(w.dtype).expand_as(w)
         loss = (ce * w).sum() / w.sum().clamp_min(1e-6)  # 0 (with a graph) when nothing is covered
         with torch.no_grad():
             m = label_mask.float()
             denom = m.sum().clamp_min(1.0)
-            right = scores.argmax(-1) == target
+            right = scores[..., : self.top_k].argmax(-1) == target  # what a path can pick
             stats = {
                 "coverage": covered.float().sum() / denom,
                 "top1": ((target == 0) & covered).float().sum() / denom,

@@ -21,14 +21,14 @@ CONFIG_NAME = "eval_acceptance"
 JOB_LOGGING = "dflash2"
 
 
-def config_file() -> Path:
-    """configs/eval_acceptance.yaml of the project: $PROJECT_ROOT, the source checkout, or the cwd."""
+def config_file(name: str = CONFIG_NAME) -> Path:
+    """configs/<name>.yaml of the project: $PROJECT_ROOT, the source checkout, or the cwd."""
     roots = [os.environ.get("PROJECT_ROOT"), Path(__file__).resolve().parents[2], Path.cwd()]
     for root in filter(None, roots):
-        path = Path(root) / "configs" / f"{CONFIG_NAME}.yaml"
+        path = Path(root) / "configs" / f"{name}.yaml"
         if path.is_file():
             return path
-    raise DFlash2Error(f"configs/{CONFIG_NAME}.yaml not found; run from the project root or set PROJECT_ROOT")
+    raise DFlash2Error(f"configs/{name}.yaml not found; run from the project root or set PROJECT_ROOT")
 
 
 def run(cfg) -> dict:

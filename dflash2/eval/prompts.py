@@ -7,11 +7,17 @@
   (docs/CORPUS.md). No chat template: these are continuation prompts, not conversations.
 * ``ood``: the same from this interpreter's site-packages, code that no training
   source of the run contains (``dflash2.eval.sampled_prompts``).
-* a ``.jsonl`` file with one ``{"prompt": "..."}`` (or ``{"messages": [...]}``) per
-  line; blank lines are skipped. The tokenizer's chat template is applied when it
-  has one (user turn + generation prompt), otherwise the text is encoded as is. A
-  file is evaluated whole unless a count is asked for, and a prompt that is text
-  of the run's train split is refused (``dflash2.eval.train_overlap``).
+* a ``.jsonl`` file with one ``{"prompt": "..."}`` or one conversation (OpenAI
+  ``{"messages": [...]}`` or ShareGPT ``{"conversations": [...]}``, evaluated up to
+  its first assistant turn) per line; blank lines are skipped, conversation rows
+  that cannot be used (an unknown role, no user turn) are counted and skipped. For
+  a drafter trained on chat data the template it was trained with is applied
+  (``dflash2.eval.chat_prompts``); otherwise the tokenizer's chat template when it
+  has one (turns + generation prompt), else the text is encoded as is. A file is
+  evaluated whole unless a count is asked for, and a prompt that is text of the
+  run's train split is refused (``dflash2.eval.train_overlap``).
+* ``heldout`` for a drafter trained on chat data: first-turn prompts of the held-out
+  conversations of its chat data (``dflash2.eval.chat_prompts``).
 
 Every user mistake is a one-line ``DFlash2Error`` naming the file and 1-based line.
 """
@@ -23,6 +29,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash2.data.chat_format import BAD_ROW_REASONS, BadRow, render_prompt
 from dflash2.errors import DFlash2Error
 
 log = logging.getLogger(__name__)
@@ -98,7 +105,11 @@ def prompt_set(
         raise DFlash2Error(f"num_prompts={num_prompts} must be >= 1 (or null for all)")
     record = dict(training_data or DEFAULT_RECORD)
     spec = str(spec)
-    if spec in (HELDOUT, OOD):
+    if spec == HELDOUT and record.get("chat"):
+        from dflash2.eval.chat_prompts import heldout_chat_set
+
+        prompts, info = heldout_chat_set(tokenizer, record, num_prompts or DEFAULT_SAMPLE_SIZE, seed)
+    elif spec in (HELDOUT, OOD):
         prompts, info = _sampled_set(
             spec, tokenizer, record, num_prompts, prompt_tokens, prompts_per_document, position, seed
         )
@@ -181,13 +192,19 @@ def _sampled_set(spec, tokenizer, record, num_prompts, prompt_tokens, prompts_pe
 def _file_set(path, tokenizer, record, num_prompts, chat_template):
     from dflash2.corpus import load_documents
     from dflash2.data.split_record import corpus_kwargs
+    from dflash2.eval.chat_prompts import chat_train_documents
     from dflash2.eval.train_overlap import check_not_from_train
 
-    prompts = jsonl_prompts(path, tokenizer, chat_template=chat_template)
+    template = (record.get("chat") or {}).get("template")
+    skipped: dict[str, int] = {}
+    prompts = jsonl_prompts(path, tokenizer, chat_template=chat_template, template=template, skipped=skipped)
     in_file = len(prompts)
     if num_prompts is not None:
         prompts = prompts[:num_prompts]
     info = {"set": str(path), "asked": num_prompts, "in_file": in_file, "made": len(prompts), "shortfall": None}
+    if skipped:
+        info["skipped_rows"] = skipped
+        log.warning("%s: skipped %s", path, ", ".join(f"{n} {BAD_ROW_REASONS[r]}" for r, n in sorted(skipped.items())))
     if num_prompts is not None and in_file < num_prompts:
         info["shortfall"] = f"{in_file} of {num_prompts} prompts asked: {path} has {in_file}"
     elif len(prompts) < in_file:
@@ -196,7 +213,7 @@ def _file_set(path, tokenizer, record, num_prompts, chat_template):
         info["shortfall"] = f"no prompts in {path}"
         return prompts, info
     try:
-        train = load_documents(record["sources"], "train", **corpus_kwargs(record))
+        train = load_documents(record["sources"], "train", **corpus_kwargs(record)) + chat_train_documents(record)
     except DFlash2Error as e:  # trained elsewhere: say the check was not made, and why
         info["train_split_check"] = {"passed": None, "not_made_because": str(e)}
         log.warning("prompts were not checked against the drafter's train split: %s", e)
@@ -205,10 +222,23 @@ def _file_set(path, tokenizer, record, num_prompts, chat_template):
     return prompts, info
 
 
-def jsonl_prompts(path, tokenizer, *, num_prompts: int | None = None, chat_template: bool = True) -> list[Prompt]:
-    """The first ``num_prompts`` (None: all) prompts of a jsonl file; a line that is not a JSON object with
-    a non-empty "prompt" string (or a "messages" list with a user turn) raises DFlash2Error naming the
-    file and line."""
+def jsonl_prompts(
+    path,
+    tokenizer,
+    *,
+    num_prompts: int | None = None,
+    chat_template: bool = True,
+    template: str | None = None,
+    skipped: dict | None = None,
+) -> list[Prompt]:
+    """The first ``num_prompts`` (None: all) prompts of a jsonl file.
+
+    A line that is not a JSON object with a non-empty "prompt" string or a "messages" /
+    "conversations" list raises DFlash2Error naming the file and line; a conversation that cannot
+    be used is skipped and counted in ``skipped`` (reason -> count). template: "plain" or
+    "tokenizer" (``chat_format.render_prompt``, what a chat-trained drafter saw), None: see
+    :func:`encode_chat`.
+    """
     path = Path(path).expanduser()
     if not path.is_file():
         raise DFlash2Error(
@@ -226,41 +256,42 @@ def jsonl_prompts(path, tokenizer, *, num_prompts: int | None = None, chat_templ
                 raise DFlash2Error(
                     f'{where} is not valid JSON ({e.msg}); each line must be {{"prompt": "..."}}'
                 ) from None
-            messages = _messages(row, where)
-            out.append(
-                Prompt(
-                    text=messages[-1]["content"],
-                    ids=encode_chat(messages, tokenizer, chat_template),
-                    source=f"{path.name}:{lineno}",
-                )
+            try:
+                messages = _messages(row, where)
+            except BadRow as e:
+                if skipped is not None:
+                    skipped[e.reason] = skipped.get(e.reason, 0) + 1
+                continue
+            ids = (
+                render_prompt(messages, tokenizer, template)
+                if template
+                else encode_chat(messages, tokenizer, chat_template)
             )
+            out.append(Prompt(text=messages[-1]["content"], ids=ids, source=f"{path.name}:{lineno}"))
             if num_prompts is not None and len(out) == num_prompts:
                 break
     return out
 
 
 def _messages(row, where: str) -> list[dict]:
-    """A jsonl row -> chat messages (user turns only), or DFlash2Error naming the line."""
+    """A jsonl row -> chat messages (a conversation up to its first assistant turn); DFlash2Error
+    naming the line when it is no prompt row at all, BadRow when it is a conversation that cannot be used."""
     if isinstance(row, dict) and "prompt" in row:
         if not isinstance(row["prompt"], str) or not row["prompt"]:
             raise DFlash2Error(f'{where}: "prompt" must be a non-empty string, got {row["prompt"]!r}')
         return [{"role": "user", "content": row["prompt"]}]
-    if isinstance(row, dict) and isinstance(row.get("messages"), list):
-        users = [
-            m
-            for m in row["messages"]
-            if isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), str)
-        ]
-        if not users:
-            raise DFlash2Error(f'{where}: "messages" has no user turn with string content')
-        return users
+    if isinstance(row, dict) and (isinstance(row.get("messages"), list) or isinstance(row.get("conversations"), list)):
+        from dflash2.eval.chat_prompts import row_prompt_messages
+
+        return row_prompt_messages(row)
     raise DFlash2Error(
-        f'{where}: expected a JSON object with a "prompt" string (or "messages"), got {json.dumps(row)[:80]}'
+        f'{where}: expected a JSON object with a "prompt" string (or "messages" / "conversations"), '
+        f"got {json.dumps(row)[:80]}"
     )
 
 
 def encode_chat(messages: list[dict], tokenizer, chat_template: bool = True) -> list[int]:
-    """User turns -> ids: through the chat template (with the generation prompt) when the tokenizer has
+    """Turns -> ids: through the chat template (with the generation prompt) when the tokenizer has
     one, else the contents joined by newlines. The template is rendered to text and then encoded
     without extra special tokens (templates carry their own), which works the same on every
     transformers version (``tokenize=True`` changed its return type in v5)."""

@@ -13,18 +13,23 @@ Plain PyTorch, device-agnostic, no Lightning/Hydra. What exists now:
 - :mod:`dflash2.runtime.drafter`: the DFlash / DFlash2 drafter over a static context cache;
 - :mod:`dflash2.runtime.step`, :mod:`dflash2.runtime.sampling`: the pieces of one step
   (prefill, verify, acceptance at T=0 and T>0 with sparse proposals, commit, emit);
-- :mod:`dflash2.runtime.engine`: :func:`generate_ar` and :func:`generate_spec`, batched and ragged.
+- :mod:`dflash2.runtime.kernels`: fused Triton kernels of the step (norm, RoPE + cache write, SwiGLU)
+  with plain-PyTorch twins;
+- :mod:`dflash2.runtime.engine`: :class:`~dflash2.runtime.engine.Decoder` (reusable per-bucket slots,
+  phases captured as CUDA graphs, :mod:`dflash2.runtime.graphs`) and the one-off
+  :func:`generate_ar` / :func:`generate_spec`, batched and ragged.
 """
 
 from dflash2.runtime.cache import DecodeState, KVCache, StepMeta
 from dflash2.runtime.drafter import DraftContext, RuntimeDrafter
-from dflash2.runtime.engine import generate_ar, generate_spec
+from dflash2.runtime.engine import Decoder, generate_ar, generate_spec
 from dflash2.runtime.gdn_state import GDNState
 from dflash2.runtime.models import load_model
 from dflash2.runtime.sampling import Proposal
 
 __all__ = [
     "DecodeState",
+    "Decoder",
     "DraftContext",
     "GDNState",
     "KVCache",

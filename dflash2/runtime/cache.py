@@ -31,6 +31,22 @@ import torch.nn.functional as F
 
 from dflash2.runtime.gdn_state import GDNState
 
+_SDPA_BACKENDS = None  # None: PyTorch's choice; else the allowed backends, in set_attention_backend's order
+
+
+def set_attention_backend(name: str | None) -> None:
+    """Which fused SDPA kernel CUDA attention may use: None/'default' (PyTorch's choice: cuDNN on Hopper),
+    'efficient' (memory-efficient attention, else math). Why: for decode-sized queries (G·T rows) the
+    default cuDNN kernel is latency-bound and returns a layout that costs a copy (docs/BENCHMARKS.md).
+    Graphs keep the kernels chosen when they were captured."""
+    from torch.nn.attention import SDPBackend
+
+    global _SDPA_BACKENDS
+    choices = {None: None, "default": None, "efficient": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]}
+    if name not in choices:
+        raise ValueError(f"attention backend {name!r}: use one of default, efficient")
+    _SDPA_BACKENDS = choices[name]
+
 
 @dataclass
 class StepMeta:
@@ -88,7 +104,13 @@ class KVCache:
         v = self.v[slot, :, :, : meta.kv_len]
         # head h = j·G + g reads K/V head j (HF's repeat_kv order): fold g into the query length
         qg = q.reshape(N, hkv, self.groups * T, D)
-        y = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.mask)  # (N, Hkv, G·T, D)
+        if _SDPA_BACKENDS is not None and q.is_cuda:
+            from torch.nn.attention import sdpa_kernel
+
+            with sdpa_kernel(_SDPA_BACKENDS):
+                y = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.mask)
+        else:
+            y = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.mask)  # (N, Hkv, G·T, D)
         return y.reshape(N, H, T, D)  # reshape: fused kernels may return a non-contiguous layout
 
 

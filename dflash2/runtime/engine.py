@@ -3,7 +3,7 @@
 Both take a batch of N prompts of any lengths and run every row in the same tensors:
 
     prefill      one forward of the right-padded prompts; row r commits its own length
-    per step     [draft]  verify  accept  commit  emit          (step.py, drafter.py)
+    per step     [draft]  verify  accept  commit          (phases; step.py, drafter.py)
 
 Rows are ragged throughout: lengths live on the device, each row advances by its own
 accepted count inside the same step (KV: a length update; GDN: replay of n[r] tokens;
@@ -11,12 +11,20 @@ drafter context: the taps of those positions), and rows that finished (EOS or th
 token budget) keep taking part in the fixed-shape forwards but commit and emit
 nothing, so they never stall the others. The step has no loop over rows and reads
 one small tensor back per step (whether any row is active, and the longest row,
-which bounds how much of the caches attention reads).
+which picks how much of the caches attention reads).
 
-Results: :func:`generate_ar` returns the token lists; :func:`generate_spec` returns a
-``dflash2.decoding.SpecResult`` with the reference decoder's per-step bookkeeping.
+:class:`Decoder` keeps, per batch bucket, a *slot*: the target's caches, the drafter
+context and every loop buffer (last token, counts, budgets, EOS ids, output, step
+log) at fixed addresses, reused by every generation of that bucket. Each phase is a
+function of the slot alone, so with ``graphs=True`` (CUDA) each is captured once per
+(bucket, phase, attended-length bucket) and replayed afterwards (graphs.py). A batch
+of N rows runs in the slot of ``batch_bucket(N)``; the padding rows are inactive
+from the start. T>0 draws random numbers from a caller's generator, so the phases
+that sample (draft, verify, accept at T>0, the AR forward at T>0) run eagerly.
 
-Shapes: N rows, P_max longest prompt, B block size, V vocabulary, W output width.
+:func:`generate_ar` / :func:`generate_spec` are one-generation conveniences over a
+fresh eager Decoder. Shapes: N rows (Nb in the slot), P_max longest prompt, B block,
+V vocabulary.
 """
 
 from __future__ import annotations
@@ -29,19 +37,12 @@ from dflash2.decoding.decoder import SpecResult
 from dflash2.decoding.sampling import SamplingParams, warp_probs
 from dflash2.errors import DFlash2Error
 from dflash2.runtime.drafter import RuntimeDrafter
-from dflash2.runtime.step import (
-    accept_greedy,
-    accept_sampled,
-    choose,
-    commit,
-    emit,
-    eos_ids,
-    finish_step,
-    prefill,
-    verify,
-)
+from dflash2.runtime.graphs import BATCH_BUCKETS, PhaseGraphs, batch_bucket
+from dflash2.runtime.step import accept_greedy, accept_sampled, choose, emit, finish_step, prefill
 
-KV_BUCKET = 64  # attention reads the caches up to the longest row rounded up to this (fewer distinct shapes)
+KV_BUCKET = 64  # eager: attention reads the caches up to the longest row rounded up to this
+GRAPH_KV_BUCKET = 256  # graphs: one capture per bucket, so coarser (the extra cache read is small)
+EOS_SLOTS = 16  # EOS ids a slot holds (padded with -1, which matches no token)
 
 
 def pad_prompts(prompts, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,14 +60,9 @@ def pad_prompts(prompts, device) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.to(device), torch.tensor([len(r) for r in rows], dtype=torch.long, device=device)
 
 
-def _kv_len(longest: int, T: int, max_len: int) -> int:
+def _kv_len(longest: int, T: int, max_len: int, bucket: int = KV_BUCKET) -> int:
     """Cache positions a T-token step must attend: longest committed row + T, rounded up to a bucket."""
-    return min(max_len, -(-(longest + T) // KV_BUCKET) * KV_BUCKET)
-
-
-def _max_len(state) -> int:
-    """Positions a DecodeState holds (its KV cache's S_max; unbounded for a target without attention)."""
-    return state.kv.max_len if state.kv is not None else 1 << 62
+    return min(max_len, -(-(longest + T) // bucket) * bucket)
 
 
 def _poll(active: torch.Tensor, lengths: torch.Tensor) -> tuple[bool, int]:
@@ -75,32 +71,294 @@ def _poll(active: torch.Tensor, lengths: torch.Tensor) -> tuple[bool, int]:
     return bool(any_active), int(longest)
 
 
-def _start(model, prompts, max_new_tokens: int, eos_token_id, extra: int):
-    """Checks, padded prompts, state sized for prompt + new tokens + ``extra``, and the output buffers."""
-    if max_new_tokens < 0:
-        raise DFlash2Error(f"max_new_tokens={max_new_tokens} must be >= 0")
-    device = model.embed.weight.device
-    ids, lengths = pad_prompts(prompts, device)
-    N, max_len = ids.shape[0], ids.shape[1] + max_new_tokens + extra
-    out = torch.zeros(N, max_new_tokens + extra + 1, dtype=torch.long, device=device)  # W ≥ count + T always
-    return ids, lengths, model.new_state(N, max_len), out, eos_ids(eos_token_id, device)
+class Slot:
+    """What one batch bucket of Nb rows keeps between generations (all at fixed addresses).
+
+    state / ctx: target caches and drafter context; token (Nb,) the last emitted token (the next
+    input / anchor); nxt (Nb,) the AR step's choice; count / limit (Nb,) emitted tokens and budget;
+    active (Nb,) bool; commit_n (Nb,) tokens the step commits; eos (EOS_SLOTS,) ids (-1 = none);
+    out (Nb, W) emitted tokens; drafts (Nb, B-1), argmax (Nb, B) of the verify; log (S, 3, Nb)
+    per step (was active, accepted drafts, emitted) with its device counter ``step`` (1,).
+    """
+
+    def __init__(self, model, drafter, Nb: int, max_len: int, graphs: PhaseGraphs):
+        device = model.embed.weight.device
+        B = drafter.block_size if drafter is not None else 1
+        self.batch, self.max_len, self.graphs = Nb, max_len, graphs
+        self.state = model.new_state(Nb, max_len)
+        self.ctx = drafter.new_context(Nb, max_len) if drafter is not None else None
+        if self.state.gdn is not None:
+            self.state.gdn.reserve(1)
+            self.state.gdn.reserve(B)
+        z = dict(dtype=torch.long, device=device)
+        self.token, self.nxt, self.count = (torch.zeros(Nb, **z) for _ in range(3))
+        self.limit, self.commit_n = torch.zeros(Nb, **z), torch.zeros(Nb, **z)
+        self.active = torch.zeros(Nb, dtype=torch.bool, device=device)
+        self.eos = torch.full((EOS_SLOTS,), -1, **z)
+        self.out = torch.zeros(Nb, max_len + B + 1, **z)  # W ≥ count + B always
+        self.no_drafts = torch.zeros(Nb, 0, **z)
+        self.drafts = torch.zeros(Nb, B - 1, **z)
+        self.argmax = torch.zeros(Nb, B, **z)
+        self.log = torch.zeros(max_len + 1, 3, Nb, **z)
+        self.step = torch.zeros(1, **z)
+        self.proposal = self.probs = None  # T>0 (eager) hand-over between phases
+
+    def reset(self, max_new_tokens: int, eos: list[int]) -> None:
+        """Empty caches and counters for a new generation (K/V past the lengths is never read: not cleared)."""
+        self.state.lengths.zero_()
+        if self.state.gdn is not None:
+            self.state.gdn.reset()
+        if self.ctx is not None:
+            self.ctx.lengths.zero_()
+        self.count.zero_()
+        self.step.zero_()
+        self.limit.fill_(max_new_tokens)
+        self.eos.fill_(-1)
+        if eos:
+            self.eos[: len(eos)] = torch.tensor(eos, dtype=torch.long)
 
 
-def _first_token(logits, out, max_new_tokens, params, generator, eos):
-    """The prefill's token (N,) -> (anchor, count (N,), active (N,)): it is emitted, then decoding goes on."""
-    token = choose(logits, params, generator)  # (N,)
-    count = emit(out, torch.zeros_like(token), token[:, None], torch.ones_like(token))
-    done = count >= max_new_tokens
-    if eos is not None:
-        done |= (token[:, None] == eos).any(-1)
-    return token, count, ~done
+def _eos_list(eos_token_id) -> list[int]:
+    if eos_token_id is None:
+        return []
+    ids = eos_token_id.tolist() if isinstance(eos_token_id, torch.Tensor) else eos_token_id
+    ids = [int(ids)] if isinstance(ids, int) else [int(e) for e in ids]
+    if len(ids) > EOS_SLOTS:
+        raise DFlash2Error(f"{len(ids)} EOS ids; the runtime holds at most {EOS_SLOTS}")
+    return ids
 
 
-def _sequences(out: torch.Tensor, count: torch.Tensor) -> list[list[int]]:
-    return [row[:n] for row, n in zip(out.tolist(), count.tolist())]
+class Decoder:
+    """AR and speculative decoding of one runtime target (and drafter) with reusable per-bucket slots.
+
+    model: a runtime target (``load_model``); drafter: a RuntimeDrafter, a DFlashDrafter or its folder,
+    or None (AR only). max_len: positions a slot holds (prompt + new tokens + a block must fit).
+    graphs: capture the phases as CUDA graphs (default: on CUDA devices). pad: run N rows in the slot of
+    ``batch_bucket(N)`` (default: with graphs; eagerly a slot of exactly N rows wastes no work).
+    Attributes set by callers: ``timer`` (a :class:`~dflash2.runtime.graphs.PhaseTimer` or None) and
+    ``on_step`` (called with the slot after each step: progress bars, tests).
+    """
+
+    def __init__(
+        self,
+        model,
+        drafter=None,
+        *,
+        max_len: int,
+        graphs: bool | None = None,
+        pad: bool | None = None,
+        buckets=BATCH_BUCKETS,
+    ):
+        if drafter is not None and not hasattr(drafter, "propose"):  # a DFlashDrafter or its folder
+            drafter = RuntimeDrafter(drafter, model)
+        self.model, self.drafter, self.max_len = model, drafter, int(max_len)
+        self.device = model.embed.weight.device
+        cuda = self.device.type == "cuda"
+        self.graphs = cuda if graphs is None else bool(graphs)
+        if self.graphs and not cuda:
+            raise DFlash2Error("graphs=True needs a CUDA target; pass graphs=False (or None) on the CPU")
+        self.buckets = buckets
+        self.pad = self.graphs if pad is None else bool(pad)
+        self.kv_bucket = GRAPH_KV_BUCKET if self.graphs else KV_BUCKET
+        self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self.slots: dict[int, Slot] = {}
+        self.timer = None
+        self.on_step = None
+
+    @property
+    def captures(self) -> int:
+        """Graphs captured so far, over all slots."""
+        return sum(s.graphs.captures for s in self.slots.values())
+
+    # ------------------------------------------------------------------ slots
+    def slot(self, N: int) -> Slot:
+        """The slot of N rows: its batch bucket when padding (padding rows stay inactive), else exactly N."""
+        Nb = batch_bucket(N, self.buckets) if self.pad else N
+        if Nb not in self.slots:
+            graphs = PhaseGraphs(self.graphs, self._pool)
+            self.slots[Nb] = Slot(self.model, self.drafter, Nb, self.max_len, graphs)
+        return self.slots[Nb]
+
+    def _begin(self, prompts, max_new_tokens: int, eos_token_id, extra: int):
+        if max_new_tokens < 0:
+            raise DFlash2Error(f"max_new_tokens={max_new_tokens} must be >= 0")
+        ids, lengths = pad_prompts(prompts, self.device)
+        N, P = ids.shape
+        if P + max_new_tokens + extra > self.max_len:
+            raise DFlash2Error(
+                f"prompt ({P}) + max_new_tokens ({max_new_tokens}) + {extra} exceeds the decoder's max_len "
+                f"{self.max_len}; build the Decoder with a larger max_len"
+            )
+        s = self.slot(N)
+        if s.batch > N:  # padding rows: a one-token prompt, inactive from the first token on
+            ids = torch.cat([ids, ids.new_zeros(s.batch - N, P)])
+            lengths = torch.cat([lengths, lengths.new_ones(s.batch - N)])
+        s.reset(max_new_tokens, _eos_list(eos_token_id))
+        return s, ids, lengths, N
+
+    def _first_token(self, s: Slot, logits, N: int, params, generator) -> None:
+        """The prefill's token is emitted; rows that are done (budget 1, EOS) or padding are inactive."""
+        token = choose(logits, params, generator)  # (Nb,)
+        s.count.copy_(emit(s.out, s.count, token[:, None], torch.ones_like(token)))
+        done = (s.count >= s.limit) | (token[:, None] == s.eos).any(-1)
+        s.active.copy_(~done & (torch.arange(s.batch, device=token.device) < N))
+        s.token.copy_(token)
+
+    def _phase(self, s: Slot, key, fn, name: str, graph: bool = True) -> None:
+        s.graphs.run(key, fn, graph)
+        if self.timer is not None:
+            self.timer.done(name)
+
+    def _loop(self, s: Slot, T: int, step_fn) -> None:
+        """Poll, then one step, until no row is active (the poll is the step's one host read)."""
+        while True:
+            any_active, longest = _poll(s.active, s.state.lengths)
+            if not any_active:
+                break
+            if self.timer is not None:
+                self.timer.begin_step()
+            step_fn(_kv_len(longest, T, self.max_len, self.kv_bucket))
+            if self.on_step is not None:
+                self.on_step(s)
+
+    # ------------------------------------------------------------------ phases (functions of the slot)
+    def _commit(self, s: Slot, T: int, spec: bool) -> None:
+        """Rollback / commit: keep commit_n[r] of the T block tokens (target lengths, GDN replay, drafter context)."""
+        if s.state.gdn is not None:
+            s.state.gdn.use_static(T)  # what the last T-token verify logged, at its fixed addresses
+        s.state.commit(s.commit_n)
+        if spec:
+            self.drafter.append(s.ctx, s.ctx.taps, s.commit_n)
+
+    def _ar_forward(self, s: Slot, kv_len: int, params, generator) -> None:
+        logits = self.model(s.token[:, None], s.state, kv_len=kv_len).logits[:, 0]  # (Nb, V)
+        s.nxt.copy_(choose(logits, params, generator))
+
+    def _ar_accept(self, s: Slot) -> None:
+        zero = torch.zeros_like(s.nxt)  # an AR step is a verify step with no drafts
+        acc = finish_step(zero, s.nxt, s.no_drafts, active=s.active, eos_token_id=s.eos, budget=s.limit - s.count)
+        s.commit_n.copy_(acc.commit)  # the fed token (the previous one) enters the caches
+        s.count.copy_(emit(s.out, s.count, acc.tokens, acc.num_emitted))
+        s.active.copy_(s.active & ~acc.finished)
+        s.token.copy_(torch.where(s.active, s.nxt, s.token))
+
+    def _draft(self, s: Slot, kv_len: int, params, generator, argmax_drafts: bool) -> None:
+        proposal = self.drafter.propose(s.ctx, s.token, params, generator, kv_len=kv_len, argmax_drafts=argmax_drafts)
+        s.drafts.copy_(proposal.tokens)
+        s.proposal = None if params.greedy else proposal
+
+    def _verify(self, s: Slot, kv_len: int, params) -> None:
+        block = torch.cat([s.token[:, None], s.drafts], dim=1)  # (Nb, B) = [anchor, d_1 .. d_P]
+        logits = self.model(block, s.state, taps_out=s.ctx.taps, kv_len=kv_len).logits  # taps -> context buffer
+        if params.greedy:
+            s.argmax.copy_(logits.argmax(-1))
+        else:
+            s.probs = warp_probs(logits, params)
+
+    def _accept(self, s: Slot, params, generator) -> None:
+        finish = dict(active=s.active, eos_token_id=s.eos, budget=s.limit - s.count)
+        if params.greedy:
+            acc = accept_greedy(s.argmax, s.drafts, **finish)
+        else:
+            acc = accept_sampled(s.probs, s.proposal, generator, **finish)
+        # rows that finish now commit nothing: they never decode again, and a frozen row's length stays
+        # ≤ prompt + emitted − 1, which is what the caches are sized for (a cut block commits more than it emits)
+        s.commit_n.copy_(torch.where(acc.finished, 0, acc.commit))
+        s.count.copy_(emit(s.out, s.count, acc.tokens, acc.num_emitted))
+        record = torch.stack([s.active.long(), acc.num_accepted, acc.num_emitted])  # (3, Nb)
+        s.log.index_copy_(0, s.step, record[None])
+        s.step.add_(1)
+        s.active.copy_(s.active & ~acc.finished)  # finished rows keep their anchor: their state is frozen
+        s.token.copy_(torch.where(s.active, acc.next_anchor, s.token))
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate_ar(
+        self,
+        prompts,
+        max_new_tokens: int,
+        eos_token_id: int | Iterable[int] | None = None,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> list[list[int]]:
+        """Plain autoregressive decoding, one token per row per forward. Returns N lists of new ids."""
+        params = SamplingParams(float(temperature), int(top_k), float(top_p))
+        s, ids, lengths, N = self._begin(prompts, max_new_tokens, eos_token_id, 1)
+        if max_new_tokens == 0:
+            return [[] for _ in range(N)]
+        self._first_token(s, prefill(self.model, s.state, ids, lengths), N, params, generator)
+
+        def step(kv_len: int) -> None:
+            fwd = lambda: self._ar_forward(s, kv_len, params, generator)  # noqa: E731
+            self._phase(s, ("ar_forward", kv_len), fwd, "verify", graph=params.greedy)
+            self._phase(s, ("ar_accept",), lambda: self._ar_accept(s), "accept")
+            self._phase(s, ("commit", 1), lambda: self._commit(s, 1, False), "commit")
+
+        self._loop(s, 1, step)
+        return self._sequences(s, N)
+
+    @torch.no_grad()
+    def generate_spec(
+        self,
+        prompts,
+        max_new_tokens: int,
+        eos_token_id: int | Iterable[int] | None = None,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        generator: torch.Generator | None = None,
+        argmax_drafts: bool = False,
+    ) -> SpecResult:
+        """Lossless speculative decoding. At T=0 the output equals :meth:`generate_ar` token for token;
+        at T>0 every token follows the target's warped distribution. argmax_drafts: at T>0 draft the
+        T=0 drafts and verify them as point masses."""
+        if self.drafter is None:
+            raise DFlash2Error("this Decoder has no drafter; build it with Decoder(model, drafter, ...)")
+        params = SamplingParams(float(temperature), int(top_k), float(top_p))
+        B = self.drafter.block_size
+        s, ids, lengths, N = self._begin(prompts, max_new_tokens, eos_token_id, B)
+        if max_new_tokens == 0:
+            return SpecResult([[] for _ in range(N)], [[] for _ in range(N)], B)
+        # prefill: the prompt's taps go to a buffer of their own (variable length), then into the context
+        taps = None if s.ctx.taps is None else s.ctx.taps.new_empty(s.batch, ids.shape[1], s.ctx.taps.shape[-1])
+        logits = prefill(self.model, s.state, ids, lengths, taps_out=taps)
+        self.drafter.append(s.ctx, taps, lengths)
+        self._first_token(s, logits, N, params, generator)
+        greedy = params.greedy
+
+        def step(kv_len: int) -> None:
+            draft = lambda: self._draft(s, kv_len, params, generator, argmax_drafts)  # noqa: E731
+            self._phase(s, ("draft", kv_len, argmax_drafts), draft, "draft", graph=greedy)
+            self._phase(s, ("verify", kv_len), lambda: self._verify(s, kv_len, params), "verify", graph=greedy)
+            self._phase(s, ("accept",), lambda: self._accept(s, params, generator), "accept", graph=greedy)
+            self._phase(s, ("commit", B), lambda: self._commit(s, B, True), "commit")
+
+        self._loop(s, B, step)
+        return SpecResult(self._sequences(s, N), self._per_row_steps(s, N), B)
+
+    @staticmethod
+    def _sequences(s: Slot, N: int) -> list[list[int]]:
+        return [row[:n] for row, n in zip(s.out[:N].tolist(), s.count[:N].tolist())]
+
+    @staticmethod
+    def _per_row_steps(s: Slot, N: int) -> list[list[int]]:
+        """The step log (S, 3, Nb) -> per row, the accepted drafts of each step it took part in (one read)."""
+        steps = s.log[: int(s.step)].tolist()
+        return [[acc[r] for was, acc, _ in steps if was[r]] for r in range(N)]
 
 
-@torch.no_grad()
+def _decoder_for(model, drafter, prompts, max_new_tokens: int, extra: int, graphs: bool) -> Decoder:
+    """A one-generation Decoder sized for these prompts."""
+    rows = prompts.tolist() if isinstance(prompts, torch.Tensor) else prompts
+    rows = [rows] if rows and not isinstance(rows[0], (list, tuple)) else rows
+    width = max((len(r) for r in rows), default=1)
+    return Decoder(model, drafter, max_len=width + max(max_new_tokens, 0) + extra, graphs=graphs)
+
+
 def generate_ar(
     model,
     prompts,
@@ -111,36 +369,19 @@ def generate_ar(
     top_k: int = 0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    graphs: bool = False,
 ) -> list[list[int]]:
-    """Plain autoregressive decoding with the runtime target, one token per row per forward.
+    """Plain autoregressive decoding with the runtime target (a one-off :class:`Decoder`).
 
     prompts: (N, P) long tensor or N id lists (lengths may differ). Returns N lists of generated
     ids (prompt excluded; EOS kept, nothing after it). T=0 is greedy; T>0 samples the warped p.
     """
-    params = SamplingParams(float(temperature), int(top_k), float(top_p))
-    ids, lengths, state, out, eos = _start(model, prompts, max_new_tokens, eos_token_id, 1)
-    if max_new_tokens == 0:
-        return [[] for _ in range(ids.shape[0])]
-    logits = prefill(model, state, ids, lengths)
-    token, count, active = _first_token(logits, out, max_new_tokens, params, generator, eos)
-    no_drafts = token.new_zeros(token.shape[0], 0)  # an AR step is a verify step with P = 0
-    max_len = _max_len(state)
-    while True:
-        any_active, longest = _poll(active, state.lengths)
-        if not any_active:
-            break
-        logits = verify(model, state, token[:, None], kv_len=_kv_len(longest, 1, max_len))
-        nxt = choose(logits[:, 0], params, generator)  # (N,)
-        zero = torch.zeros_like(nxt)
-        acc = finish_step(zero, nxt, no_drafts, active=active, eos_token_id=eos, budget=max_new_tokens - count)
-        commit(state, acc.commit)  # the fed token (the previous one) enters the caches
-        count = emit(out, count, acc.tokens, acc.num_emitted)
-        active = active & ~acc.finished
-        token = torch.where(active, nxt, token)
-    return _sequences(out, count)
+    dec = _decoder_for(model, None, prompts, max_new_tokens, 1, graphs)
+    return dec.generate_ar(
+        prompts, max_new_tokens, eos_token_id, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+    )
 
 
-@torch.no_grad()
 def generate_spec(
     model,
     drafter,
@@ -153,58 +394,24 @@ def generate_spec(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
     argmax_drafts: bool = False,
+    graphs: bool = False,
 ) -> SpecResult:
-    """Lossless speculative decoding of the runtime target ``model`` with a runtime ``drafter``.
+    """Lossless speculative decoding of ``model`` with ``drafter`` (a one-off :class:`Decoder`).
 
     drafter: a :class:`~dflash2.runtime.drafter.RuntimeDrafter` (or any object with its
     ``block_size``, ``new_context``, ``append`` and ``propose``), or a ``DFlashDrafter`` / drafter
-    folder, wrapped in one. prompts: (N, P) tensor or N id
-    lists. At T=0 the output equals :func:`generate_ar` (and plain greedy decoding) token for token;
-    at T>0 every token follows the target's warped distribution. argmax_drafts: at T>0 draft the
-    T=0 drafts and verify them as point masses (no q over the vocabulary at all).
+    folder, wrapped in one. Returns a ``dflash2.decoding.SpecResult``; see :meth:`Decoder.generate_spec`.
     """
-    params = SamplingParams(float(temperature), int(top_k), float(top_p))
-    if not hasattr(drafter, "propose"):  # a DFlashDrafter or its folder
+    if not hasattr(drafter, "propose"):
         drafter = RuntimeDrafter(drafter, model)
-    B = drafter.block_size
-    ids, lengths, state, out, eos = _start(model, prompts, max_new_tokens, eos_token_id, B)
-    N = ids.shape[0]
-    if max_new_tokens == 0:
-        return SpecResult([[] for _ in range(N)], [[] for _ in range(N)], B)
-    max_len = _max_len(state)
-    ctx = drafter.new_context(N, ids.shape[1] + max_new_tokens + B)
-    # prefill: the prompt's taps go to a buffer of their own (variable length), then into the context
-    taps = None if ctx.taps is None else ctx.taps.new_empty(N, ids.shape[1], ctx.taps.shape[-1])
-    logits = prefill(model, state, ids, lengths, taps_out=taps)
-    drafter.append(ctx, taps, lengths)
-    anchor, count, active = _first_token(logits, out, max_new_tokens, params, generator, eos)
-    log = []  # per step (was active, accepted drafts, emitted): stays on the device until the end
-    while True:
-        any_active, longest = _poll(active, state.lengths)
-        if not any_active:
-            break
-        kv_len = _kv_len(longest, B, max_len)
-        proposal = drafter.propose(ctx, anchor, params, generator, kv_len=kv_len, argmax_drafts=argmax_drafts)
-        block = torch.cat([anchor[:, None], proposal.tokens], dim=1)  # (N, B)
-        logits = verify(model, state, block, taps_out=ctx.taps, kv_len=kv_len)  # taps land in the context buffer
-        finish = dict(active=active, eos_token_id=eos, budget=max_new_tokens - count)
-        if params.greedy:
-            acc = accept_greedy(logits.argmax(-1), proposal.tokens, **finish)
-        else:
-            acc = accept_sampled(warp_probs(logits, params), proposal, generator, **finish)
-        # rows that finish now commit nothing: they never decode again, and a frozen row's length stays
-        # ≤ prompt + emitted − 1, which is what the caches are sized for (a cut block commits more than it emits)
-        commit(state, torch.where(acc.finished, 0, acc.commit), drafter, ctx)
-        count = emit(out, count, acc.tokens, acc.num_emitted)
-        log.append(torch.stack([active.long(), acc.num_accepted, acc.num_emitted]))
-        active = active & ~acc.finished  # finished rows keep their anchor: their state is frozen
-        anchor = torch.where(active, acc.next_anchor, anchor)
-    return SpecResult(_sequences(out, count), _per_row_steps(log, N), B)
-
-
-def _per_row_steps(log: list[torch.Tensor], N: int) -> list[list[int]]:
-    """Stacked per-step records (S, 3, N) -> per row, the accepted drafts of each step it took part in."""
-    if not log:
-        return [[] for _ in range(N)]
-    steps = torch.stack(log).tolist()  # one read at the end
-    return [[acc[r] for was, acc, _ in steps if was[r]] for r in range(N)]
+    dec = _decoder_for(model, drafter, prompts, max_new_tokens, drafter.block_size, graphs)
+    return dec.generate_spec(
+        prompts,
+        max_new_tokens,
+        eos_token_id,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        generator=generator,
+        argmax_drafts=argmax_drafts,
+    )

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash2.runtime.kernels.gdn_log import GDNLog
+from dflash2.runtime.kernels.gdn_log import GDNLog, new_log
 from dflash2.runtime.kernels.gdn_replay.reference import gdn_replay
 from dflash2.runtime.kernels.gdn_verify.reference import gdn_gates, gdn_verify
 
@@ -85,6 +85,43 @@ class GDNState:
         self.mode, self.native_max_tokens = mode, native_max_tokens
         self.kernel_options = dict(kernel_options or {})
         self.logs: list[GDNLog | None] = [None] * num_layers
+        self._static: dict[int, list[GDNLog]] = {}  # T -> per-layer logs at fixed addresses (reserve)
+
+    def _native(self, T: int) -> bool:
+        """Whether a T-token verify stores per-position states (native mode, short enough)."""
+        return self.mode == "native" and self.native_max_tokens >= T
+
+    def reserve(self, T: int) -> None:
+        """Preallocate the logs of T-token verifies: later verifies of T tokens write into them.
+
+        Why: a captured verify graph and a captured commit graph must meet at the same addresses,
+        whichever verify graph (one per attended-length bucket) ran last. (Native mode reserves the
+        T per-position states: that memory is the ablation's cost.)
+        """
+        if T in self._static:
+            return
+        L, N, C = self.conv.shape[:3]
+        H, dk, dv = self.rec.shape[2:]
+        dims = dict(num_k_heads=self.num_k_heads, num_v_heads=H, head_k_dim=dk, head_v_dim=dv)
+        self._static[T] = [
+            new_log(
+                torch.zeros(N, T, C, dtype=self.conv.dtype, device=self.conv.device),
+                **dims,
+                native=self._native(T),
+                alloc=torch.zeros,
+            )
+            for _ in range(L)
+        ]
+
+    def use_static(self, T: int) -> None:
+        """Point the logs a commit folds at the reserved T-token logs (what the last T-token verify wrote)."""
+        self.logs = list(self._static[T])
+
+    def reset(self) -> None:
+        """Empty prefix for every row (zero states), as a new generation starts."""
+        self.conv.zero_()
+        self.rec.zero_()
+        self.logs = [None] * len(self.logs)
 
     def verify(
         self,
@@ -97,16 +134,23 @@ class GDNState:
         dt_bias: torch.Tensor,
     ) -> torch.Tensor:
         """Layer ``slot``: x (N, T, C) pre-conv, conv_weight (C, 1, K), a / b (N, T, H) the raw gate
-        projections, A_log / dt_bias (H,) -> o (N, T, H, d_v) in x's dtype. The states are only read."""
+        projections, A_log / dt_bias (H,) -> o (N, T, H, d_v) in x's dtype. The states are only read;
+        the log goes to the reserved addresses when T was reserved."""
+        static = self._static.get(x.shape[1])
+        out = None if static is None else static[slot]
         if self.mode == "reference":
             g, beta = gdn_gates(a, b, A_log, dt_bias)
-            o, self.logs[slot] = gdn_verify(
+            o, log = gdn_verify(
                 x, self.conv[slot], conv_weight, self.rec[slot], g, beta, self.num_k_heads, self.head_k_dim
             )
+            if out is not None:  # copy into the fixed addresses (small: T tokens of one layer)
+                for dst, src in zip((out.x, out.k, out.u, out.g), (log.x, log.k, log.u, log.g)):
+                    dst.copy_(src)
+                log = out
+            self.logs[slot] = log
             return o
         from dflash2.runtime.kernels.gdn_verify import gdn_verify_triton  # Triton only where it runs
 
-        native = self.mode == "native" and x.shape[1] <= self.native_max_tokens
         o, self.logs[slot] = gdn_verify_triton(
             x,
             self.conv[slot],
@@ -117,7 +161,8 @@ class GDNState:
             A_log,
             dt_bias,
             self.num_k_heads,
-            native=native,
+            native=self._native(x.shape[1]),
+            out=out,
             **self.kernel_options,
         )
         return o

@@ -43,6 +43,7 @@ class DrafterTrainingModule(L.LightningModule):
         total_steps: int,
         seed: int,
         target_id: str = "",
+        selector_gold_injection: bool = False,
     ):
         super().__init__()
         self.drafter = drafter
@@ -52,6 +53,7 @@ class DrafterTrainingModule(L.LightningModule):
         self.num_anchors, self.loss_gamma, self.selector_loss_weight = num_anchors, loss_gamma, selector_loss_weight
         self.lr, self.weight_decay, self.warmup_ratio, self.total_steps = lr, weight_decay, warmup_ratio, total_steps
         self.seed, self.target_id = seed, target_id
+        self.selector_gold_injection = selector_gold_injection  # ARCHITECTURE.md §3.2
         self._last_step_time: float | None = None
         self.measured_tau_history: list[tuple[int, float]] = []  # filled by MeasuredTauCallback
 
@@ -99,7 +101,12 @@ class DrafterTrainingModule(L.LightningModule):
             anchor_ids = input_ids.gather(1, anchors)  # (N, A)
             flat = lambda t: t.flatten(0, 1)  # noqa: E731  (N, A, ...) -> (N*A, ...)
             sel_loss, sel_stats = selector.loss(
-                flat(drafted), flat(raw), flat(anchor_ids), flat(labels), flat(label_mask)
+                flat(drafted),
+                flat(raw),
+                flat(anchor_ids),
+                flat(labels),
+                flat(label_mask),
+                inject_gold=self.selector_gold_injection,
             )
             out["selector_loss"], out["selector_stats"] = sel_loss, sel_stats
             out["loss"] = ce + self.selector_loss_weight * sel_loss

@@ -11,7 +11,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from dflash2.data.regenerate import regenerate_split
+from dflash2.data.regenerate import chat_template_of, regenerate_split
 from dflash2.data.split_record import training_data_record
 from dflash2.drafter.from_target import check_drafter_matches_target, drafter_config_for_target
 from dflash2.drafter.io import load_drafter, save_drafter
@@ -62,10 +62,12 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
         drafter = load_drafter(settings["init_from"], dtype=torch.float32).train()
         check_drafter_matches_target(drafter.config, target)
     else:
-        torch.manual_seed(seed)
-        drafter = DFlashDrafter(config)
+        drafter = fresh_drafter(config, settings, seed)
     # Saved with the drafter (and its checkpoints): evaluation draws held-out prompts from this split.
-    drafter.config.training_data = training_data_record(data, seed)
+    if data.get("chat") and target.tokenizer is None:
+        raise DFlash2Error(f"data=chat needs the target's tokenizer (its chat template); {target_dir} has none")
+    chat_template = chat_template_of(data, target.tokenizer) if data.get("chat") else None
+    drafter.config.training_data = training_data_record(data, seed, chat_template)
     check_blocks_fit_the_data(drafter.config, int(settings["num_anchors"]), data)
     check_sequences_fit_the_context(data, config.max_position_embeddings)
     resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
@@ -76,10 +78,11 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     common = dict(seed=seed, cache_dir=cache_dir, target_id=str(target_dir), device=device)
     with explain_oom("regeneration of training data by the target", knob_hints(cfg, REGENERATION_KNOBS)):
         train_ds = trainable_rows(
-            regenerate_split(target, data, split="train", num_prompts=int(data["num_train_prompts"]), **common), "train"
+            regenerate_split(target, data, split="train", num_prompts=_count(data["num_train_prompts"]), **common),
+            "train",
         )
         val_ds = trainable_rows(
-            regenerate_split(target, data, split="validation", num_prompts=int(data["num_val_prompts"]), **common),
+            regenerate_split(target, data, split="validation", num_prompts=_count(data["num_val_prompts"]), **common),
             "validation",
         )
     target.model.cpu()
@@ -107,6 +110,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
         total_steps=total_steps,
         seed=seed,
         target_id=str(target_dir),
+        selector_gold_injection=bool(settings.get("selector_gold_injection", False)),
     )
     pad_id = (
         target.tokenizer.pad_token_id
@@ -135,7 +139,9 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
         "the held-out report",
         knob_hints(cfg, ("data.generation_batch_size", "data.batch_size", "data.num_val_prompts")),
     ):
-        heldout_ds = regenerate_split(target, data, split="heldout", num_prompts=int(data["num_val_prompts"]), **common)
+        heldout_ds = regenerate_split(
+            target, data, split="heldout", num_prompts=_count(data["num_val_prompts"]), **common
+        )
         report = heldout_report(
             module.to(device), heldout_ds, train_ds, pad_id=pad_id, batch_size=int(data["batch_size"]), seed=seed
         )
@@ -145,6 +151,21 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     for line in heldout_report_lines(report):
         log.info(line)
     return report
+
+
+def fresh_drafter(config, settings: dict, seed: int) -> DFlashDrafter:
+    """A new drafter initialised from the run's seed, with ``drafter.selector_zero_successor_init``
+    applied (ARCHITECTURE.md §3.2); a drafter loaded with init_from keeps the codebook it was trained to."""
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(config)
+    if settings.get("selector_zero_successor_init") and drafter.candidate_selector is not None:
+        drafter.candidate_selector.zero_successor_()
+    return drafter
+
+
+def _count(value) -> int | None:
+    """A data.num_*_prompts value: an int, or None (chat data: every turn of the split)."""
+    return None if value is None else int(value)
 
 
 def trainable_rows(dataset, split: str):

@@ -1,15 +1,109 @@
-"""Triton kernels of the runtime, one folder per op (docs/ARCHITECTURE.md §5.5, §6).
+"""Fused Triton kernels of the runtime's decode step, each with a plain-PyTorch twin (docs/ARCHITECTURE.md §6).
 
-Each op folder holds ``reference.py`` (the plain-PyTorch twin, also the runtime's
-``mode="reference"`` path), ``kernel.py`` (the Triton kernel and its launcher) and an
-``__init__`` with the public function and its shapes:
+Why: a batch-1 decode step reads every weight once in a handful of large GEMVs, and
+everything between them (norms, RoPE, cache writes, activations, residual adds) is
+dozens of tiny element-wise launches per layer. Inside a CUDA graph each still costs
+a few microseconds, which for an 8B model adds milliseconds to a ~4 ms weight read.
+These kernels fold each such group into one launch:
 
-- :mod:`.gdn_verify`: Gated DeltaNet outputs of a block of T tokens from the untouched
-  state (conv + SiLU, q/k L2 norm, gates, recurrence fused), logging what a commit needs;
-- :mod:`.gdn_replay`: the commit: fold n[r] logged tokens into row r's state ("exact fold")
-  or, for the native-rollback ablation, copy the state verify stored at position n[r];
-  and roll the conv window.
+* :func:`~dflash2.runtime.kernels.norm.add_rms_norm`: residual add + RMSNorm;
+* :func:`~dflash2.runtime.kernels.rope.qk_norm_rope_write`: per-head q/k RMSNorm, RoPE,
+  and the K/V cache write of one attention layer;
+* :func:`~dflash2.runtime.kernels.act.silu_mul`: the SwiGLU activation.
 
-Importing this package does not import Triton (the reference twins are plain PyTorch);
-:mod:`.triton_util` says how Triton must be set up to run the kernels on CPU tensors.
+The Gated DeltaNet ops live in a folder each (docs/ARCHITECTURE.md §5.5): ``reference.py``
+(the plain-PyTorch twin, also ``GDNState``'s ``mode="reference"``), ``kernel.py`` (the
+Triton kernel + launcher), ``__init__`` (the public function with its shapes):
+
+* :mod:`.gdn_verify`: the outputs of a block of T tokens from the untouched state (conv +
+  SiLU, q/k L2 norm, gates, recurrence fused), logging what a commit needs;
+* :mod:`.gdn_replay`: the commit: fold n[r] logged tokens into row r's state ("exact fold")
+  or, for the native-rollback ablation, copy the state verify stored at n[r]; roll the conv
+  window. ``GDNState(mode="replay" | "native")`` chooses them explicitly, so they do not go
+  through ``use_triton``: on CPU tensors they run in the interpreter or refuse with the fix
+  (:mod:`.triton_util`).
+
+Each public function takes the same tensors on any device and dispatches: CUDA
+tensors (and Triton importable, kernels not switched off) run the Triton kernel,
+anything else the twin. The twins round exactly where the eager HF code rounds
+(they *are* the eager code), and the kernels round at the same points, so bf16
+results agree to the last bit except for reduction order.
+
+Tests run the kernels on CPU tensors through Triton's interpreter: ``TRITON_INTERPRET=1``
+must be set before triton is first imported (its standard library is jitted then; the
+test suite's conftest does it on machines without a GPU), and CPU tensors go to the
+kernels only inside ``with on_cpu():`` — elsewhere the CPU runs the twins.
 """
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import torch
+
+_ENABLED = os.environ.get("DFLASH2_TRITON", "1") != "0"
+_ON_CPU = False
+_CACHE: dict = {}
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def available() -> bool:
+    """Whether Triton can be imported at all."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Run the Triton kernel for tensor t: CUDA tensors, or CPU ones inside ``on_cpu()`` under the interpreter."""
+    return _ENABLED and (t.is_cuda or (_ON_CPU and _interpret())) and available()
+
+
+def enabled() -> bool:
+    return _ENABLED
+
+
+def set_enabled(flag: bool) -> bool:
+    """Switch the kernels on / off globally (for ablations); returns the previous setting."""
+    global _ENABLED
+    old, _ENABLED = _ENABLED, bool(flag)
+    return old
+
+
+@contextmanager
+def kernels(flag: bool):
+    """``with kernels(False):`` runs the twins everywhere (an ablation, or a reference run)."""
+    old = set_enabled(flag)
+    try:
+        yield
+    finally:
+        set_enabled(old)
+
+
+@contextmanager
+def on_cpu():
+    """Send CPU tensors to the kernels (Triton's interpreter; tests only)."""
+    global _ON_CPU
+    if not _interpret():
+        raise RuntimeError("set TRITON_INTERPRET=1 before triton is imported to run the kernels on the CPU")
+    old, _ON_CPU = _ON_CPU, True
+    try:
+        yield
+    finally:
+        _ON_CPU = old
+
+
+def jit(fn):
+    """``triton.jit(fn)``, made on first use and cached per interpreter mode (see the module docstring)."""
+    key = (fn, _interpret())
+    if key not in _CACHE:
+        import triton
+
+        _CACHE[key] = triton.jit(fn)
+    return _CACHE[key]

@@ -39,3 +39,26 @@ class GDNLog:
     def nbytes(self) -> int:
         """Speculative-state bytes this log holds (what a step keeps per layer until the commit)."""
         return sum(t.numel() * t.element_size() for t in (self.x, self.k, self.u, self.g, self.states) if t is not None)
+
+
+def new_log(
+    x: torch.Tensor,
+    *,
+    num_k_heads: int,
+    num_v_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    native: bool,
+    alloc=torch.empty,
+) -> GDNLog:
+    """A log around x (N, T, C) with fresh fp32 tensors in the layout of the mode (native: the states).
+
+    alloc: torch.empty for a verify's outputs, torch.zeros for reserved (CUDA-graph) logs.
+    """
+    N, T = x.shape[:2]
+    f32 = dict(dtype=torch.float32, device=x.device)
+    H = num_v_heads
+    if native:
+        return GDNLog(x=x, states=alloc(N, T, H, head_k_dim, head_v_dim, **f32))
+    k = alloc(N, T, num_k_heads, head_k_dim, **f32)
+    return GDNLog(x=x, k=k, u=alloc(N, T, H, head_v_dim, **f32), g=alloc(N, T, H, **f32))

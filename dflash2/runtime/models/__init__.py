@@ -7,7 +7,7 @@ import torch
 from dflash2.runtime.gdn_state import GDN_MODES
 from dflash2.runtime.models.base import ModelOutput, RuntimeCausalLM
 from dflash2.runtime.models.llama import Llama
-from dflash2.runtime.models.loading import load_weights, parse_dtype, read_text_config
+from dflash2.runtime.models.loading import assign_weights, load_weights, parse_dtype, read_text_config
 from dflash2.runtime.models.qwen3 import Qwen3
 from dflash2.runtime.models.qwen3_5 import Qwen3_5
 
@@ -26,7 +26,8 @@ def load_model(folder, *, dtype=None, device="cpu", target_layer_ids=(), gdn_mod
     target_layer_ids: layers whose outputs the forward returns as taps (see ``RuntimeCausalLM.set_taps``).
     gdn_mode: GDN state implementation of hybrids, 'reference' (plain PyTorch) | 'replay' (Triton
     ReplaySSM) | 'native' (Triton, native rollback); see dflash2.runtime.gdn_state.
-    The result is in eval mode with gradients off (a frozen target).
+    The result is in eval mode with gradients off (a frozen target), its q|k|v and gate|up
+    projections fused (``fuse_projections``): move it afterwards only if you accept a copy.
     """
     folder = str(folder)
     config, text = read_text_config(folder)
@@ -42,10 +43,39 @@ def load_model(folder, *, dtype=None, device="cpu", target_layer_ids=(), gdn_mod
     load_weights(model, folder, dtype, device, tie)
     model.to(device)  # non-parameter state (RoPE frequencies) built on the CPU
     model.set_taps(target_layer_ids)
-    if gdn_mode not in GDN_MODES:
-        raise ValueError(f"gdn_mode {gdn_mode!r}: expected one of {GDN_MODES}")
-    model.gdn_mode = gdn_mode
-    return model.eval().requires_grad_(False)
+    model.gdn_mode = _gdn_mode(gdn_mode)
+    return model.eval().requires_grad_(False).fuse_projections()
 
 
-__all__ = ["FAMILIES", "Llama", "ModelOutput", "Qwen3", "Qwen3_5", "RuntimeCausalLM", "load_model"]
+def _gdn_mode(mode: str) -> str:
+    if mode not in GDN_MODES:
+        raise ValueError(f"gdn_mode {mode!r}: expected one of {GDN_MODES}")
+    return mode
+
+
+def from_hf_model(hf_model, *, target_layer_ids=(), gdn_mode="reference") -> RuntimeCausalLM:
+    """The runtime model over an in-memory HF causal LM's weights (same device and dtype; benchmarks, tests).
+
+    The weights are shared with ``hf_model`` until ``fuse_projections`` concatenates the fused groups
+    (those become copies); the rest stays shared.
+    """
+    config = hf_model.config
+    text = config.get_text_config()
+    family = FAMILIES.get(text.model_type)
+    if family is None:
+        raise NotImplementedError(
+            f"model_type {text.model_type!r} has no runtime forward (supported: {sorted(FAMILIES)})"
+        )
+    weight = hf_model.get_input_embeddings().weight
+    with torch.device("meta"):
+        model = family(text)
+    tie = bool(getattr(text, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False))
+    items = hf_model.state_dict().items()
+    assign_weights(model, items, weight.dtype, weight.device, tie, source="the HF model", copy=False)
+    model.to(weight.device)
+    model.set_taps(target_layer_ids)
+    model.gdn_mode = _gdn_mode(gdn_mode)
+    return model.eval().requires_grad_(False).fuse_projections()
+
+
+__all__ = ["FAMILIES", "Llama", "ModelOutput", "Qwen3", "Qwen3_5", "RuntimeCausalLM", "from_hf_model", "load_model"]

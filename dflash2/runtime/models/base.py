@@ -112,15 +112,27 @@ class RuntimeCausalLM(nn.Module):
             return taps_out
         return like.new_empty(N, T, len(self.target_layer_ids) * self.hidden_size)
 
-    def _tap(self, taps: torch.Tensor | None, layer: int, h: torch.Tensor) -> None:
-        """Copy layer ``layer``'s output h (N, T, d) into its slice of taps, if it is tapped."""
+    def _tap(self, taps: torch.Tensor | None, layer: int, h: torch.Tensor, delta: torch.Tensor) -> None:
+        """Write layer ``layer``'s output h + delta (N, T, d) into its slice of taps, if it is tapped.
+
+        Layers return (h, delta) with the last residual add left to the next norm (fused there);
+        a tapped layer's output is materialised here, rounded as the eager add."""
         if taps is not None and layer in self.target_layer_ids:
             j = self.target_layer_ids.index(layer)
-            taps[..., j * self.hidden_size : (j + 1) * self.hidden_size].copy_(h)
+            torch.add(h, delta, out=taps[..., j * self.hidden_size : (j + 1) * self.hidden_size])
+
+    def fuse_projections(self) -> RuntimeCausalLM:
+        """One GEMV per fused group (q|k|v, gate|up, GDN in_proj_*): see ``layers.fuse_linears``."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "fuse"):
+                module.fuse()
+        return self
 
     # ------------------------------------------------------------------- head
-    def _logits(self, h: torch.Tensor, logits_index: torch.Tensor | None) -> torch.Tensor:
-        """Final norm + LM head. h (N, T, d) -> (N, T, V); with logits_index (N,) long -> (N, V) at those t."""
+    def _logits(self, h: torch.Tensor, delta: torch.Tensor, logits_index: torch.Tensor | None) -> torch.Tensor:
+        """Last residual add + final norm + LM head. h, delta (N, T, d) -> (N, T, V);
+        with logits_index (N,) long -> (N, V) at those t."""
         if logits_index is not None:
-            h = h.gather(1, logits_index[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]  # (N, d)
-        return self.lm_head(self.norm(h))
+            index = logits_index[:, None, None].expand(-1, 1, h.shape[-1])
+            h, delta = h.gather(1, index)[:, 0], delta.gather(1, index)[:, 0]  # (N, d)
+        return self.lm_head(self.norm.add_forward(h, delta)[1])

@@ -3,7 +3,10 @@
 Each family file (qwen3.py, llama.py, qwen3_5.py) assembles its decoder from these
 and owns its forward. The dtype handling copies the HF modeling code on purpose
 (normalise in fp32, round back where HF rounds back) so that bf16 runs match HF's
-bf16 numerics as closely as fp32 runs match its fp32 ones.
+bf16 numerics as closely as fp32 runs match its fp32 ones. The element-wise groups
+(residual add + norm, q/k norm + RoPE + cache write, SwiGLU) go through
+``dflash2.runtime.kernels``: fused Triton kernels on CUDA, their eager twins elsewhere;
+``fuse()`` concatenates q|k|v and gate|up weights so each is one GEMV.
 
 Shapes: N rows, T tokens in the step, d hidden, H query heads, Hkv key/value heads,
 G = H / Hkv, D head_dim, S cache positions attended (see cache.py), R rotary dims.
@@ -16,6 +19,33 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash2.runtime.cache import KVCache, StepMeta
+from dflash2.runtime.kernels.act import silu_mul
+from dflash2.runtime.kernels.norm import add_rms_norm
+from dflash2.runtime.kernels.rope import qk_norm_rope_write, split_qkv
+
+
+def fuse_linears(name: str, owner: nn.Module, *linears: nn.Linear) -> None:
+    """Concatenate the weights (and biases) of linears over their output dim into one tensor.
+
+    Registered on ``owner`` as non-persistent buffers ``{name}_weight`` / ``{name}_bias`` (the
+    state dict keeps the HF names); each Linear's parameters become views of the fused tensor, so
+    memory holds one copy. Why: one GEMV reading q|k|v (or gate|up) instead of two or three launches.
+    Call after the model is on its final device and dtype (``.to`` afterwards copies, still correct).
+    """
+    weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)
+    has_bias = [lin.bias is not None for lin in linears]
+    bias = torch.cat([lin.bias.detach() for lin in linears], dim=0) if all(has_bias) else None
+    if any(has_bias) and bias is None:
+        raise ValueError(f"{name}: cannot fuse linears where only some have a bias")
+    start = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight = nn.Parameter(weight[start : start + n], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[start : start + n], requires_grad=False)
+        start += n
+    owner.register_buffer(f"{name}_weight", weight, persistent=False)
+    owner.register_buffer(f"{name}_bias", bias, persistent=False)
 
 
 class RMSNorm(nn.Module):
@@ -33,11 +63,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (y * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * y.to(x.dtype)
+        return add_rms_norm(x, None, self.weight, self.eps, self.offset)[1]
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, norm(h)) with h = x + residual (x itself when residual is None): the residual add fused in."""
+        return add_rms_norm(x, residual, self.weight, self.eps, self.offset)
 
 
 class GatedRMSNorm(nn.Module):
@@ -62,9 +92,16 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden, bias=bias)
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
+        self.register_buffer("gate_up_weight", None, persistent=False)  # set by fuse()
+        self.register_buffer("gate_up_bias", None, persistent=False)
+
+    def fuse(self) -> None:
+        fuse_linears("gate_up", self, self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias)))
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -117,15 +154,6 @@ class Rotary(nn.Module):
         return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first R dims of x (N, h, T, D) (all of them when R == D); the rest pass through."""
-    rot = cos.shape[-1]
-    xr, xp = x[..., :rot], x[..., rot:]
-    x1, x2 = xr.chunk(2, dim=-1)
-    xr = xr * cos + torch.cat([-x2, x1], dim=-1) * sin
-    return torch.cat([xr, xp], dim=-1) if xp.shape[-1] else xr
-
-
 # ----------------------------------------------------------------------------- attention
 class Attention(nn.Module):
     """Causal softmax attention over the static KV cache (GQA without K/V copies).
@@ -160,6 +188,12 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, norm_eps, norm_offset)
         else:
             self.q_norm = self.k_norm = None
+        self.norm_eps, self.norm_offset = norm_eps, norm_offset
+        self.register_buffer("qkv_weight", None, persistent=False)  # set by fuse()
+        self.register_buffer("qkv_bias", None, persistent=False)
+
+    def fuse(self) -> None:
+        fuse_linears("qkv", self, self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self,
@@ -171,19 +205,30 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x (N, T, d) -> (N, T, d); writes this step's K/V into cache slot ``slot`` at meta.positions."""
         N, T, _ = x.shape
-        q = self.q_proj(x).view(N, T, self.h, -1)  # (N, T, H, D) or (N, T, H, 2D) with the gate
-        if self.output_gate:
-            q, gate = q.chunk(2, dim=-1)  # (N, T, H, D) each
-        k = self.k_proj(x).view(N, T, self.hkv, self.hd)
-        v = self.v_proj(x).view(N, T, self.hkv, self.hd)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (N, h, T, D)
+        if self.qkv_weight is not None:
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # (N, T, W): [q (+gate) | k | v]
+        else:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        kv.write(slot, k, v, meta)
+        q = qk_norm_rope_write(  # (N, H, T, D); k, v land in the cache
+            qkv,
+            None if self.q_norm is None else self.q_norm.weight,
+            None if self.k_norm is None else self.k_norm.weight,
+            cos,
+            sin,
+            meta.positions,
+            kv.k[slot],
+            kv.v[slot],
+            num_heads=self.h,
+            num_kv_heads=self.hkv,
+            head_dim=self.hd,
+            gated=self.output_gate,
+            eps=self.norm_eps,
+            offset=self.norm_offset,
+        )
         y = kv.attend(slot, q, meta)  # (N, H, T, D)
         y = y.transpose(1, 2).reshape(N, T, self.h * self.hd)
         if self.output_gate:
+            gate = split_qkv(qkv, self.h, self.hkv, self.hd, True)[1]  # (N, T, H, D)
             y = y * torch.sigmoid(gate.reshape(N, T, self.h * self.hd))
         return self.o_proj(y)

@@ -111,30 +111,42 @@ def load_weights(model: torch.nn.Module, folder: str, dtype: torch.dtype, device
     """
     from safetensors import safe_open
 
+    def tensors():
+        for path in _weight_files(folder):
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118
+                    yield key, lambda f=f, key=key: f.get_tensor(key)
+
+    # copy=True: a fresh, aligned allocation even when nothing is converted (safetensors' tensors can
+    # sit at unaligned offsets of the file buffer, which picks slower and differently-rounding CPU matmul paths)
+    assign_weights(model, tensors(), dtype, device, tie, source=f"checkpoint {folder}", copy=True)
+
+
+def assign_weights(model: torch.nn.Module, tensors, dtype, device, tie: bool, *, source: str, copy: bool) -> None:
+    """Assign (HF key, tensor or a function returning one) pairs to ``model``'s parameters via its KEY_MAP.
+
+    copy=False shares the tensors when no conversion is needed (a runtime model over an HF model's
+    weights). Raises KeyError for missing / unexpected keys and ValueError for shape mismatches.
+    """
     key_map: KeyMap = model.KEY_MAP
     wanted = dict(model.named_parameters())
     state, unexpected = {}, []
-    for path in _weight_files(folder):
-        with safe_open(path, framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118
-                hf = _normalise_key(key)
-                if SKIPPED.search(key) or SKIPPED.search(hf):
-                    continue
-                name = key_map.from_hf(hf)
-                if name is None or name not in wanted:
-                    unexpected.append(key)
-                    continue
-                t = f.get_tensor(key)
-                # copy=True: a fresh, aligned allocation even when nothing is converted (safetensors'
-                # tensors can sit at unaligned offsets of the file buffer, which picks slower and
-                # differently-rounding CPU matmul paths)
-                state[name] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype, copy=True)
+    for key, tensor in tensors:
+        hf = _normalise_key(key)
+        if SKIPPED.search(key) or SKIPPED.search(hf):
+            continue
+        name = key_map.from_hf(hf)
+        if name is None or name not in wanted:
+            unexpected.append(key)
+            continue
+        t = tensor() if callable(tensor) else tensor
+        state[name] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype, copy=copy)
     if tie:
         state.pop("lm_head.weight", None)
     missing = [n for n in wanted if n not in state and not (tie and n == "lm_head.weight")]
     if missing or unexpected:
         raise KeyError(
-            f"checkpoint {folder} does not match the runtime {type(model).__name__}: "
+            f"{source} does not match the runtime {type(model).__name__}: "
             f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
             f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
         )

@@ -6,6 +6,8 @@
         h = h + mlp(rms(h))                             # tapped: h after the layer
     logits = lm_head(rms(h))                            # (N, T, V)
 
+Each residual add is fused into the norm that follows it (layers return (h, delta)).
+
 Llama (llama.py) is this decoder without the q/k norms; it reuses the class.
 """
 
@@ -60,9 +62,11 @@ class DenseBlock(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=mlp_bias)
 
-    def forward(self, h, rope, state: DecodeState, slot: int, meta) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), rope, state.kv, slot, meta)
-        return h + self.mlp(self.mlp_norm(h))
+    def forward(self, h, delta, rope, state: DecodeState, slot: int, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, delta) -> (h', delta'): the layer's output is h' + delta' (the add is fused into the next norm)."""
+        h, x = self.attn_norm.add_forward(h, delta)  # h = h + delta (delta None on the first layer)
+        h, x = self.mlp_norm.add_forward(h, self.attn(x, rope, state.kv, slot, meta))
+        return h, self.mlp(x)
 
 
 class Qwen3(RuntimeCausalLM):
@@ -103,10 +107,10 @@ class Qwen3(RuntimeCausalLM):
         """
         N, T = tokens.shape
         meta = state.step_meta(T, kv_len)
-        h = self.embed(tokens)  # (N, T, d)
+        h, delta = self.embed(tokens), None  # (N, T, d); a layer's output is h + delta
         rope = self.rotary(meta.positions, h.dtype)  # cos, sin (N, 1, T, D)
         taps = self._tap_buffer(N, T, taps_out, h)
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope, state, i, meta)
-            self._tap(taps, i, h)
-        return ModelOutput(self._logits(h, logits_index), taps)
+            h, delta = layer(h, delta, rope, state, i, meta)
+            self._tap(taps, i, h, delta)
+        return ModelOutput(self._logits(h, delta, logits_index), taps)

@@ -24,12 +24,13 @@ is not covered by this file.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dflash2.runtime.cache import DecodeState
 from dflash2.runtime.gdn_state import GDNState
 from dflash2.runtime.models.base import ATTENTION, GDN, ModelOutput, RuntimeCausalLM
-from dflash2.runtime.models.layers import MLP, Attention, GatedRMSNorm, RMSNorm, Rotary, rope_inv_freq
+from dflash2.runtime.models.layers import MLP, Attention, GatedRMSNorm, RMSNorm, Rotary, fuse_linears, rope_inv_freq
 from dflash2.runtime.models.loading import KeyMap
 
 QWEN3_5_KEYS = KeyMap(
@@ -69,14 +70,23 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.h))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.h * self.dv, d, bias=False)
+        self.register_buffer("in_proj_weight", None, persistent=False)  # set by fuse()
+        self.register_buffer("in_proj_bias", None, persistent=False)
+
+    def fuse(self) -> None:
+        fuse_linears("in_proj", self, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
 
     def forward(self, x: torch.Tensor, gdn: GDNState, slot: int) -> torch.Tensor:
         """x (N, T, d) -> (N, T, d); verifies from the untouched state (commit folds tokens later)."""
         N, T, _ = x.shape
-        qkv = self.in_proj_qkv(x)  # (N, T, C), logged pre-conv for the conv-window commit
-        z = self.in_proj_z(x).view(N, T, self.h, self.dv)
-        # decay g and write strength β are computed from a, b inside verify (fused in the kernel)
-        a, b = self.in_proj_a(x), self.in_proj_b(x)  # (N, T, H) each
+        if self.in_proj_weight is not None:  # one GEMV for all four projections
+            proj = F.linear(x, self.in_proj_weight)
+            qkv, z, b, a = proj.split([self.conv_dim, self.h * self.dv, self.h, self.h], dim=-1)
+        else:
+            qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        # qkv (N, T, C) is logged pre-conv for the conv-window commit
+        z = z.reshape(N, T, self.h, self.dv)
+        # decay g and write strength β come from a, b (N, T, H) inside verify (fused in the kernel)
         o = gdn.verify(slot, qkv, self.conv_weight, a, b, self.A_log, self.dt_bias)  # (N, T, H, dv)
         return self.out_proj(self.norm(o, z).reshape(N, T, self.h * self.dv))
 
@@ -106,11 +116,12 @@ class HybridBlock(nn.Module):
         self.norm2 = RMSNorm(cfg.hidden_size, eps, offset=True)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h, rope, state: DecodeState, slot: int, meta) -> torch.Tensor:
-        x = self.norm1(h)
+    def forward(self, h, delta, rope, state: DecodeState, slot: int, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, delta) -> (h', delta'): the layer's output is h' + delta' (the add is fused into the next norm)."""
+        h, x = self.norm1.add_forward(h, delta)
         mixed = self.gdn(x, state.gdn, slot) if self.kind == GDN else self.attn(x, rope, state.kv, slot, meta)
-        h = h + mixed
-        return h + self.mlp(self.norm2(h))
+        h, x = self.norm2.add_forward(h, mixed)
+        return h, self.mlp(x)
 
 
 class Qwen3_5(RuntimeCausalLM):
@@ -159,10 +170,10 @@ class Qwen3_5(RuntimeCausalLM):
         """
         N, T = tokens.shape
         meta = state.step_meta(T, kv_len)
-        h = self.embed(tokens)  # (N, T, d)
+        h, delta = self.embed(tokens), None  # (N, T, d); a layer's output is h + delta
         rope = self.rotary(meta.positions, h.dtype)  # cos, sin (N, 1, T, R)
         taps = self._tap_buffer(N, T, taps_out, h)
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope, state, self._slots[i], meta)
-            self._tap(taps, i, h)
-        return ModelOutput(self._logits(h, logits_index), taps)
+            h, delta = layer(h, delta, rope, state, self._slots[i], meta)
+            self._tap(taps, i, h, delta)
+        return ModelOutput(self._logits(h, delta, logits_index), taps)

@@ -7,11 +7,8 @@ twin :func:`~.reference.gdn_replay` returns the new states. docs/ARCHITECTURE.md
 from __future__ import annotations
 
 import torch
-import triton
 
 from dflash2.runtime.kernels.gdn_log import GDNLog
-from dflash2.runtime.kernels.gdn_replay.kernel import launch_replay
-from dflash2.runtime.kernels.triton_util import check_device, default_warps
 
 
 def gdn_replay_triton(
@@ -40,6 +37,11 @@ def gdn_replay_triton(
         )
     if conv_state.stride(-1) != 1 or rec_state[0].stride() != (dk * dv, dv, 1) or log.x.stride(-1) != 1:
         raise ValueError("conv_state / x need contiguous columns / channels and rec_state contiguous (H, d_k, d_v)")
+    import triton  # here, not at import: the twins and GDNState's reference mode need no Triton
+
+    from dflash2.runtime.kernels.gdn_replay.kernel import launch_replay
+    from dflash2.runtime.kernels.triton_util import check_device, default_warps
+
     check_device(rec_state, conv_state)
     if T == 0 or N == 0:
         return

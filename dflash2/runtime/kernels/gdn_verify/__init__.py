@@ -8,11 +8,8 @@
 from __future__ import annotations
 
 import torch
-import triton
 
-from dflash2.runtime.kernels.gdn_log import GDNLog
-from dflash2.runtime.kernels.gdn_verify.kernel import launch_verify
-from dflash2.runtime.kernels.triton_util import check_device, default_warps
+from dflash2.runtime.kernels.gdn_log import GDNLog, new_log
 
 
 def gdn_verify_triton(
@@ -27,6 +24,7 @@ def gdn_verify_triton(
     num_k_heads: int,
     *,
     native: bool = False,
+    out: GDNLog | None = None,
     block_v: int | None = None,
     block_t: int | None = None,
     num_warps: int | None = None,
@@ -38,7 +36,8 @@ def gdn_verify_triton(
     a, b (N, T, H) the in_proj_a / in_proj_b outputs; A_log, dt_bias (H,); num_k_heads Hk.
     Both states are only read. Returns o (N, T, H, d_v) in x's dtype and a :class:`GDNLog`:
     ReplaySSM k (N, T, Hk, d_k), u (N, T, H, d_v), g (N, T, H) fp32; native: states
-    (N, T, H, d_k, d_v) fp32. The log keeps x itself (no copy).
+    (N, T, H, d_k, d_v) fp32. The log keeps x itself (no copy), or, with ``out`` (a log of that
+    layout, e.g. GDNState's reserved one for CUDA graphs), is written there, x copied in.
     block_v / block_t / num_warps: tile width over d_v, tokens per chunk, warps per program (tuning knobs).
     """
     N, T, C = x.shape
@@ -54,18 +53,24 @@ def gdn_verify_triton(
     x, a, b = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, a, b))
     if conv_state.stride(-1) != 1 or rec_state[0].stride() != (dk * dv, dv, 1):
         raise ValueError("conv_state needs contiguous columns and rec_state contiguous (H, d_k, d_v) per row")
+    import triton  # here, not at import: the twins and GDNState's reference mode need no Triton
+
+    from dflash2.runtime.kernels.gdn_verify.kernel import launch_verify
+    from dflash2.runtime.kernels.triton_util import check_device, default_warps
+
     check_device(x, rec_state)
-    f32 = dict(dtype=torch.float32, device=x.device)
     o = torch.empty(N, T, H, dv, dtype=x.dtype, device=x.device)
-    if native:
-        states = torch.empty(N, T, H, dk, dv, **f32)
-        log = GDNLog(x=x, states=states)
-        k = u = g = states  # unused by the native variant
+    if out is None:
+        dims = dict(num_k_heads=num_k_heads, num_v_heads=H, head_k_dim=dk, head_v_dim=dv)
+        log = new_log(x, **dims, native=native)
     else:
-        k = torch.empty(N, T, num_k_heads, dk, **f32)
-        u, g = torch.empty(N, T, H, dv, **f32), torch.empty(N, T, H, **f32)
-        log = GDNLog(x=x, k=k, u=u, g=g)
-        states = u  # unused by the ReplaySSM variant
+        log = out
+        log.x.copy_(x)
+    if log.native != native:
+        raise ValueError(f"out is a {'native' if log.native else 'ReplaySSM'} log; this verify writes the other")
+    # the other mode's outputs are never touched: any tensor will do
+    k, u, g = (log.states,) * 3 if native else (log.k, log.u, log.g)
+    states = log.states if native else log.u
     if T == 0 or N == 0:
         return o, log
     bk, bv = triton.next_power_of_2(dk), block_v or min(triton.next_power_of_2(dv), 16)

@@ -1,0 +1,103 @@
+"""Hydra front door of ``python -m eval.speedup`` (config: ``configs/eval_speedup.yaml``).
+
+Like ``eval.acceptance``: the yaml is registered in Hydra's ConfigStore (so ``target=`` and
+``drafter=`` are plain values, not the training config groups), the work is done by the
+Hydra-free ``dflash2.eval.speedup.run_speedup``, and a user error prints one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from dflash2.errors import DFlash2Error
+from dflash2.eval.acceptance_cli import config_file
+
+log = logging.getLogger(__name__)
+CONFIG_NAME = "eval_speedup"
+
+
+def build_pair(cfg):
+    """The pair to measure: a trained one (target + drafter folders) or random weights at cfg.shape."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from dflash2.eval.speedup_setup import random_pair, trained_pair
+    from dflash2.runtime.models.loading import parse_dtype
+
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = parse_dtype(cfg.dtype or "bfloat16", None) if cfg.shape else parse_dtype(cfg.dtype, str(cfg.target))
+    batch = max(int(b) for b in cfg.batch_sizes)
+    has_drafter = not OmegaConf.is_missing(cfg, "drafter") and cfg.drafter
+    if cfg.shape:
+        if has_drafter or cfg.target:
+            raise DFlash2Error("pass either shape=NAME (random weights) or target=DIR drafter=DIR, not both")
+        return random_pair(
+            str(cfg.shape),
+            dtype=dtype,
+            device=device,
+            block_size=int(cfg.block_size),
+            drafter_layers=int(cfg.drafter_layers),
+            batch=batch,
+            prompt_tokens=int(cfg.prompt_tokens),
+            seed=int(cfg.seed),
+        )
+    if not (has_drafter and cfg.target):
+        raise DFlash2Error("nothing to measure: pass target=DIR drafter=DIR (a trained pair) or shape=qwen3_8b")
+    return trained_pair(
+        str(cfg.target),
+        str(cfg.drafter),
+        dtype=dtype,
+        device=device,
+        prompts=cfg.prompts,
+        num_prompts=max(batch, int(cfg.num_prompts)),
+        prompt_tokens=int(cfg.prompt_tokens),
+    )
+
+
+def run(cfg) -> dict:
+    """Build the pair from the composed config, measure, write results; returns the results dict."""
+    from dflash2.eval.speedup import run_speedup
+    from dflash2.runtime.cache import set_attention_backend
+
+    set_attention_backend(cfg.attention)
+    pair = build_pair(cfg)
+    taus = [float(t) for t in cfg.predict_taus] if pair.random else []
+    results = run_speedup(
+        pair,
+        batch_sizes=[int(b) for b in cfg.batch_sizes],
+        max_new_tokens=int(cfg.max_new_tokens),
+        hf_new_tokens=int(cfg.hf_new_tokens),
+        runs=int(cfg.runs),
+        copy_bytes=int(cfg.copy_bytes),
+        predict_taus=taus,
+        profile=bool(cfg.profile),
+        ablate_kernels=bool(cfg.ablate_kernels),
+        output_dir=cfg.paths.output_dir,
+        extra={"attention": cfg.attention or "default"},
+    )
+    print(f"results in {cfg.paths.output_dir}")
+    return results
+
+
+def main() -> None:
+    """Entry point: compose the config (with CLI overrides) and run; DFlash2Error -> one line, exit 2."""
+    import hydra
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    try:
+        ConfigStore.instance().store(name=CONFIG_NAME, node=OmegaConf.load(config_file(CONFIG_NAME)))
+    except DFlash2Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+    @hydra.main(version_base="1.3", config_path=None, config_name=CONFIG_NAME)
+    def _app(cfg) -> None:
+        try:
+            run(cfg)
+        except DFlash2Error as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+    _app()

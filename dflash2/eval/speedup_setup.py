@@ -1,0 +1,163 @@
+"""What ``eval.speedup`` measures: a target + drafter pair and prompts (docs/ARCHITECTURE.md §6).
+
+Two sources:
+
+* a trained pair: the target's HF folder and a drafter folder (``load_drafter``), prompts from
+  ``dflash2.eval.prompts`` (held-out text, tokenized by the target's tokenizer);
+* random weights at a named full-size shape (:data:`SHAPES`): the HF model is built with its own
+  random init on the device, the runtime target shares its weights, and a random DFlash2 drafter
+  of the same width drafts for it; prompts are random token ids. Step times of a dense model do
+  not depend on weight values, so these give honest step times; τ of random weights is ≈ 1 and
+  means nothing, so speedups at these shapes are *predicted* from a given τ.
+
+Either way the result is a :class:`Pair`: the HF model (baseline (a)), the runtime target and
+the runtime drafter (sharing the target's embedding and LM head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash2.errors import DFlash2Error
+
+# Qwen3-8B's config.json values (hidden, depth, heads, vocab, RoPE base), random weights
+QWEN3_8B = dict(
+    model_type="qwen3",
+    hidden_size=4096,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=12288,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+# a CPU-sized Qwen3 for tests of the command itself
+TINY = dict(
+    model_type="qwen3",
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=256,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+    initializer_range=0.1,
+)
+SHAPES = {"qwen3_8b": QWEN3_8B, "qwen3_5_9b": dict(model_type="qwen3_5_text"), "tiny": TINY}
+
+
+@dataclass
+class Pair:
+    """hf: the HF causal LM (or None when the baseline is skipped); target: runtime model; drafter:
+    RuntimeDrafter; prompts: N id lists; label: what was measured; random: random weights (τ means nothing)."""
+
+    hf: object
+    target: object
+    drafter: object
+    prompts: list[list[int]]
+    label: str
+    random: bool
+    eos_token_id: int | None = None
+
+
+def shape_config(name: str):
+    """The transformers config of a named shape (Qwen3.5-9B: ``Qwen3_5TextConfig()`` defaults)."""
+    import transformers
+
+    if name not in SHAPES:
+        raise DFlash2Error(f"shape={name!r} is not known; use one of {sorted(SHAPES)}")
+    values = dict(SHAPES[name])
+    kind = values.pop("model_type")
+    if kind == "qwen3_5_text":
+        return transformers.Qwen3_5TextConfig(**values)
+    return transformers.Qwen3Config(**values)
+
+
+def spread_taps(num_layers: int, k: int) -> list[int]:
+    """k tapped layers spread over the depth, from layer 1 to layer num_layers - 3 (DFlash's choice)."""
+    if num_layers < 3 or k == 1:
+        return [min(1, num_layers - 1)]
+    hi = num_layers - 3
+    return sorted({round(1 + i * (hi - 1) / (k - 1)) for i in range(k)})
+
+
+def random_drafter(target, *, block_size: int, num_layers: int, seed: int):
+    """A random DFlash2 drafter (local conv + selector, released settings) at the target's width."""
+    from dflash2.drafter import DFlashDrafter, DrafterConfig
+
+    cfg = target.config
+    k = min(5, target.num_layers)
+    config = DrafterConfig(
+        hidden_size=target.hidden_size,
+        intermediate_size=int(cfg.intermediate_size),
+        num_hidden_layers=num_layers,
+        num_attention_heads=target.num_heads,
+        num_key_value_heads=target.num_kv_heads,
+        head_dim=target.head_dim,
+        rope_theta=float(getattr(cfg, "rope_theta", None) or (cfg.rope_parameters or {}).get("rope_theta", 1e6)),
+        max_position_embeddings=int(cfg.max_position_embeddings),
+        vocab_size=target.vocab_size,
+        target_hidden_size=target.hidden_size,
+        target_layer_ids=spread_taps(target.num_layers, k),
+        mask_token_id=target.vocab_size - 1,
+        block_size=block_size,
+        use_local_conv=True,
+        conv_group_size=16 if target.hidden_size % 16 == 0 else 8,
+        use_selector=True,
+        selector_rank=min(256, target.hidden_size),
+        selector_top_k=16,
+    )
+    torch.manual_seed(seed)
+    weight = target.embed.weight
+    with torch.device(weight.device):
+        drafter = DFlashDrafter(config)
+    return drafter.to(weight.dtype).eval()
+
+
+def random_pair(
+    shape: str, *, dtype, device, block_size: int, drafter_layers: int, batch: int, prompt_tokens: int, seed: int
+):
+    """HF model with its own random init at ``shape``, the runtime target over its weights, a random drafter."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash2.runtime import RuntimeDrafter
+    from dflash2.runtime.models import from_hf_model
+
+    config = shape_config(shape)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=dtype).eval().requires_grad_(False)
+    probe = from_hf_model(hf)  # to size the drafter; the taps are set once its layers are known
+    drafter = random_drafter(probe, block_size=block_size, num_layers=drafter_layers, seed=seed + 1)
+    probe.set_taps(drafter.config.target_layer_ids)
+    g = torch.Generator().manual_seed(seed + 2)
+    prompts = torch.randint(0, config.vocab_size - 1, (batch, prompt_tokens), generator=g).tolist()
+    return Pair(hf, probe, RuntimeDrafter(drafter, probe), prompts, f"random weights, shape={shape}", True)
+
+
+def trained_pair(target_dir: str, drafter_dir: str, *, dtype, device, prompts, num_prompts: int, prompt_tokens: int):
+    """A trained drafter and its target from folders; prompts through the target's tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash2.drafter.io import load_drafter
+    from dflash2.eval.prompts import load_prompts
+    from dflash2.runtime import RuntimeDrafter, load_model
+
+    drafter = load_drafter(str(drafter_dir), device=device, dtype=dtype)
+    target = load_model(
+        str(target_dir), dtype=dtype, device=device, target_layer_ids=list(drafter.config.target_layer_ids)
+    )
+    hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).to(device).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    ids = load_prompts(str(prompts), tokenizer, num_prompts=num_prompts, prompt_tokens=prompt_tokens)
+    ids = [list(map(int, p.ids)) for p in ids]
+    label = f"trained pair: target {target_dir}, drafter {drafter_dir}"
+    return Pair(hf, target, RuntimeDrafter(drafter, target), ids, label, False, tokenizer.eos_token_id)

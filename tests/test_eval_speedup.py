@@ -1,0 +1,136 @@
+"""`python -m eval.speedup` on the CPU: the whole command on micro models, its files and fields.
+
+Speed is never asserted here (CPU timings of micro models mean nothing); what is checked is
+that the command measures all three methods at every batch size, reports the fields the
+benchmark page is built from, and that speculative output equals the runtime's AR output
+(the lossless flag), and how a divergence would be reported.
+"""
+
+import importlib
+import json
+import sys
+
+import pytest
+import torch
+
+from dflash2.drafter import save_drafter
+from dflash2.eval import speedup_cli
+from dflash2.eval.speedup import first_divergence, weight_bytes
+from dflash2.tokenizer import train_bpe_tokenizer
+
+FAST = [
+    "device=cpu",
+    "dtype=float32",
+    "runs=1",
+    "copy_bytes=1048576",
+    "hydra/job_logging=none",
+    "hydra/hydra_logging=none",
+]
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory, make_spec_target, make_spec_drafter):
+    """A random hybrid (GDN) target with a BPE tokenizer and a DFlash2 drafter (B=4), saved as folders."""
+    from dflash2.corpus import load_documents
+
+    root = tmp_path_factory.mktemp("speedup")
+    docs = load_documents([{"kind": "stdlib"}], "train", max_documents=10)
+    tokenizer = train_bpe_tokenizer(docs, vocab_size=300, max_train_bytes=100_000)
+    target = make_spec_target("qwen3_5", vocab_size=320)
+    target.model.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    save_drafter(make_spec_drafter(target, 4, v2=True), root / "drafter")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "import os\\nimport sys"}\n')
+    return root, prompts
+
+
+def _cli(monkeypatch, *overrides):
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    monkeypatch.setattr(sys, "argv", ["eval.speedup", *overrides, *FAST])
+    speedup_cli.main()
+
+
+def _check(res, batches):
+    assert res["copy_bandwidth_GBps"] > 0 and res["weight_bytes"] > 0 and res["bound_ms_per_step"] > 0
+    for N in batches:
+        row = res["batches"][str(N)]
+        for key in ("hf", "ar", "spec"):
+            assert row[key]["ms_per_step"]["median"] > 0 and row[key]["tokens_per_s"]["median"] > 0
+            assert "sequences" not in row[key]
+        assert set(row["spec"]["phases_ms"]) == {"draft", "verify", "accept", "commit", "gap"}
+        assert {"verify", "accept", "commit"} <= set(row["ar"]["phases_ms"])
+        assert row["spec"]["tau"] >= 1 and row["lossless"] is True and row["divergence"] is None
+        assert row["ar_fraction_of_bound"] > 0 and row["verify_over_ar_step"] > 0
+        assert all(row["hf_prefix_equals_ar"])  # fp32 on the CPU: HF greedy == runtime AR
+
+
+def test_trained_pair_command_writes_results_and_is_lossless(pair_dirs, tmp_path, monkeypatch):
+    assert importlib.import_module("eval.speedup").main is speedup_cli.main  # the `python -m` shim
+    root, prompts = pair_dirs
+    out = tmp_path / "out"
+    _cli(
+        monkeypatch,
+        f"target={root / 'target'}",
+        f"drafter={root / 'drafter'}",
+        f"prompts={prompts}",
+        "batch_sizes=[1,2]",
+        "max_new_tokens=12",
+        "hf_new_tokens=4",
+        f"paths.output_dir={out}",
+    )
+    res = json.loads((out / "results.json").read_text())
+    _check(res, [1, 2])
+    assert res["random_weights"] is False and res["block_size"] == 4
+    assert all(row["predicted"] == [] for row in res["batches"].values())  # a trained pair: measured only
+    md = (out / "results.md").read_text()
+    assert "| 2 | runtime spec |" in md and "lossless" in md
+    pytest.importorskip("matplotlib")
+    assert (out / "step_breakdown.png").stat().st_size > 0
+
+
+def test_random_shape_predicts_and_labels_it(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    overrides = ["shape=tiny", "batch_sizes=[1]", "max_new_tokens=10", "hf_new_tokens=3", "block_size=4"]
+    _cli(
+        monkeypatch, *overrides, "drafter_layers=1", "prompt_tokens=6", "predict_taus=[2.5]", f"paths.output_dir={out}"
+    )
+    res = json.loads((out / "results.json").read_text())
+    _check(res, [1])
+    assert res["random_weights"] is True and "shape=tiny" in res["label"]
+    (pred,) = res["batches"]["1"]["predicted"]
+    assert pred["tau"] == 2.5 and pred["label"] == "prediction" and pred["speedup"] > 0
+    assert "**prediction** at τ = 2.50" in (out / "results.md").read_text()
+
+
+def test_nothing_to_measure_is_one_line(monkeypatch, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        _cli(monkeypatch, f"paths.output_dir={tmp_path}")
+    assert e.value.code == 2 and "shape=qwen3_8b" in capsys.readouterr().err
+
+
+def test_divergence_names_both_tokens_and_their_margin(hf_targets):
+    from dflash2.runtime import load_model
+
+    model = load_model(hf_targets["qwen3"][1])
+    prompts = [[5, 9, 2]]
+    ref, got = [[7, 8, 9, 10]], [[7, 8, 11, 10]]
+    d = first_divergence(model, prompts, ref, got)
+    logits = model(torch.tensor([[5, 9, 2, 7, 8]]), model.new_state(1, 8)).logits[0, -1]
+    assert (d["row"], d["position"], d["ar_token"], d["spec_token"]) == (0, 2, 9, 11)
+    assert d["margin"] == pytest.approx(float(logits[9] - logits[11]), abs=1e-5)
+    assert first_divergence(model, prompts, ref, ref) is None
+    assert first_divergence(model, prompts, ref, [[7, 8]])["lengths"] == [4, 2]
+    total = sum(p.numel() for p in model.parameters()) * 4
+    assert weight_bytes(model) == total - model.embed.weight.numel() * 4  # untied: the table is not read
+
+
+def test_profile_counts_attention_apart_from_gemms():
+    from dflash2.eval.speedup import is_gemm
+
+    assert is_gemm("nvjet_sm90_tst_192x8_64x8_2x1_v_bz_TNT") and is_gemm("void cublasLt::splitKreduce_kernel<32>")
+    assert not is_gemm("fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel)")
+    assert not is_gemm("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x")
+    assert not is_gemm("_add_rms_norm_kernel")

@@ -1,0 +1,126 @@
+"""The runtime's Triton kernels (dflash2.runtime.kernels) against their plain-PyTorch twins.
+
+On the CPU they run through Triton's interpreter (conftest sets TRITON_INTERPRET=1 on
+machines without a GPU; ``kernels.on_cpu()`` sends CPU tensors to the kernels): fp32 to
+rounding, bf16 to a few units in the last place (the interpreter's fp32 -> bf16 cast
+does not round to nearest, the GPU's does). On a GPU: bf16 to one unit in the last
+place. Also: a whole model forward with every kernel equals the twins' forward, fused
+projections share memory with the HF-named parameters, and poisoned outputs are fully
+overwritten.
+"""
+
+import os
+
+import pytest
+import torch
+
+from dflash2.runtime import kernels, load_model
+from dflash2.runtime.kernels.act import silu_mul, silu_mul_ref
+from dflash2.runtime.kernels.norm import add_rms_norm, add_rms_norm_ref
+from dflash2.runtime.kernels.rope import qk_norm_rope_write, qk_norm_rope_write_ref
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=0.02, atol=0.07)}
+
+
+@pytest.fixture
+def interpret():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield  # a GPU machine: the CPU half of each test is skipped below, the GPU half runs for real
+        return
+    with kernels.on_cpu():
+        yield
+
+
+def _devices():
+    cpu = ["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []
+    return cpu + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _close(a, b, dtype, device):
+    tol = TOL[dtype] if device == "cpu" or dtype == torch.float32 else dict(rtol=0.008, atol=0.008)  # one bf16 ulp
+    torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [False, True])
+@pytest.mark.parametrize("residual", [False, True])
+def test_add_rms_norm(interpret, dtype, offset, residual):
+    for device in _devices():
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(3, 5, 40, generator=g).to(device, dtype)
+        r = torch.randn(3, 5, 40, generator=g).to(device, dtype) if residual else None
+        w = torch.randn(40, generator=g).to(device, dtype)
+        h, y = add_rms_norm(x, r, w, 1e-6, offset)
+        h_ref, y_ref = add_rms_norm_ref(x, r, w, 1e-6, offset)
+        _close(h, h_ref, dtype, device)
+        _close(y, y_ref, dtype, device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(interpret, dtype):
+    for device in _devices():
+        gu = torch.randn(2, 3, 2 * 1500, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+        _close(silu_mul(gu), silu_mul_ref(gu), dtype, device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["qwen3", "qwen3_5_gated_partial", "llama_no_norm"])
+def test_qk_norm_rope_write(interpret, dtype, variant):
+    gated, norm = variant.startswith("qwen3_5"), variant != "llama_no_norm"
+    N, T, H, Hkv, D, S = 2, 3, 4, 2, 16, 20
+    R = D // 4 if gated else D
+    W = H * D * (2 if gated else 1) + 2 * Hkv * D
+    for device in _devices():
+        g = torch.Generator().manual_seed(2)
+        qkv = torch.randn(N, T, W, generator=g).to(device, dtype)
+        qw = torch.randn(D, generator=g).to(device, dtype) if norm else None
+        kw = torch.randn(D, generator=g).to(device, dtype) if norm else None
+        cos, sin = (torch.randn(N, 1, T, R, generator=g).to(device, dtype) for _ in range(2))
+        pos = torch.tensor([[3, 4, 5], [0, 1, 2]], device=device)
+        cache = torch.full((2, 3, N, Hkv, S, D), float("nan"), dtype=dtype, device=device)  # poison
+        ref_cache = cache.clone()
+        shape = dict(num_heads=H, num_kv_heads=Hkv, head_dim=D, gated=gated, eps=1e-6, offset=gated)
+        q = qk_norm_rope_write(qkv, qw, kw, cos, sin, pos, cache[0, 1], cache[1, 1], **shape)
+        q_ref = qk_norm_rope_write_ref(qkv, qw, kw, cos, sin, pos, ref_cache[0, 1], ref_cache[1, 1], **shape)
+        _close(q, q_ref, dtype, device)
+        written = torch.zeros(S, dtype=torch.bool)
+        written[pos.flatten().cpu()] = True
+        for n in range(N):  # exactly the block's positions of each row were written, nothing else
+            cols = pos[n].cpu()
+            _close(cache[:, 1, n][:, :, cols], ref_cache[:, 1, n][:, :, cols], dtype, device)
+            others = torch.tensor([s for s in range(S) if s not in cols.tolist()])
+            assert cache[:, 1, n][:, :, others].isnan().all()
+        assert cache[:, [0, 2]].isnan().all()  # other layers' slots untouched
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_model_forward_with_kernels_equals_twins(interpret, hf_targets, device):
+    """A whole forward (prefill + a verify block) of every family with every kernel on == twins only."""
+    if device not in _devices():
+        pytest.skip(f"no {device} kernels here")
+    for kind in ("qwen3", "llama", "qwen3_5"):
+        model = load_model(hf_targets[kind][1], device=device, target_layer_ids=[0, 1])
+        ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(3)).to(device)
+        outs = []
+        for on in (True, False):
+            with kernels.kernels(on):
+                state = model.new_state(2, 32)
+                model(ids, state, logits_index=torch.tensor([8, 5], device=device))
+                state.commit(torch.tensor([9, 6], device=device))
+                out = model(ids[:, :4], state)
+                outs.append((out.logits, out.taps, state.kv.k.clone(), state.kv.v.clone()))
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_projections_share_memory(hf_targets):
+    model = load_model(hf_targets["qwen3_5"][1])
+    attn = next(m for m in model.modules() if type(m).__name__ == "Attention")
+    mlp = model.layers[0].mlp
+    gdn = model.layers[0].gdn
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
+    assert attn.v_proj.weight.data_ptr() > attn.k_proj.weight.data_ptr() > attn.q_proj.weight.data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == mlp.gate_up_weight[mlp.gate_proj.weight.shape[0] :].data_ptr()
+    assert gdn.in_proj_qkv.weight.data_ptr() == gdn.in_proj_weight.data_ptr()
+    keys = set(model.state_dict())
+    assert not any("qkv_weight" in k or "gate_up" in k or "in_proj_weight" in k for k in keys)
