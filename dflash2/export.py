@@ -1,7 +1,8 @@
 """Export a trained drafter for serving engines (ARCHITECTURE.md §7; issue 5).
 
-    python -m dflash2.export checkpoint=PATH out=DIR [format=auto|dflash|dflash2]
-                             [dtype=bfloat16|float32] [target=PATH_OR_ID]
+    dflash2-export checkpoint=PATH out=DIR [format=auto|dflash|dflash2]
+                   [dtype=bfloat16|float32] [target=PATH_OR_ID]
+    (or: python -m dflash2.export ..., which also works in a checkout without installing)
 
 ``checkpoint`` is a Lightning ``.ckpt`` from training, a run folder (its
 ``checkpoints/last.ckpt``, else its ``drafter/`` folder) or an exported drafter
@@ -625,7 +626,7 @@ def parse_args(argv: list[str]) -> dict:
         args[key] = value
     for need in ("checkpoint", "out"):
         if not args.get(need):
-            raise DFlash2Error(f"missing {need}=...; usage: python -m dflash2.export checkpoint=PATH out=DIR")
+            raise DFlash2Error(f"missing {need}=...; usage: dflash2-export checkpoint=PATH out=DIR")
     if args.get("dtype", "bfloat16") not in DTYPES:
         raise DFlash2Error(f"dtype={args['dtype']!r} is not supported; use dtype=bfloat16 or dtype=float32")
     return args

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -11,7 +12,8 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from dflash2.training.cli import CONFIG_DIR, check_overrides
+from dflash2.training.cli import CONFIG_DIR
+from dflash2.training.override_check import check_overrides
 
 GROUPS = {p.name: sorted(q.stem for q in p.glob("*.yaml")) for p in Path(CONFIG_DIR).iterdir() if p.is_dir()}
 
@@ -74,11 +76,30 @@ def test_experiments_set_the_task(tmp_path):
     assert small.target.recipe.extra_sources[0].path == "site-packages"
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["debug=fast_dev_run"],
+        ["drafter=dflash", "debug=fast_dev_run"],
+        ["experiment=drafter_small"],
+        ["experiment=drafter_small", "debug=fast_dev_run"],
+    ],
+)
+def test_shipped_drafter_runs_pass_the_block_preflight(overrides, tmp_path):
+    """`python train.py debug=fast_dev_run` once stopped here: 32 anchors in a 32-token response."""
+    from dflash2.training.preflight import check_blocks_fit_the_data
+
+    cfg = _compose(overrides, tmp_path)
+    block = SimpleNamespace(block_size=cfg.drafter.block_size)  # the only DrafterConfig field the check reads
+    check_blocks_fit_the_data(block, int(cfg.drafter.num_anchors), cfg.data)
+
+
 def test_unknown_override_is_one_line_error():
     for bad in (["trainer.max_step=5"], ["drafter=dflsh"], ["nosuchkey=1"]):
-        message = check_overrides(bad)
+        message = check_overrides(bad, CONFIG_DIR)
         assert message is not None and "\n" not in message and "override" in message
-    assert check_overrides(["trainer.max_steps=5", "drafter=dflash"]) is None
+    assert check_overrides(["trainer.max_steps=5", "drafter=dflash"], CONFIG_DIR) is None
 
 
 def test_wandb_goes_offline_without_a_key(monkeypatch, tmp_path):

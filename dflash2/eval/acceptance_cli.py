@@ -1,4 +1,7 @@
-"""Hydra front door of ``python -m eval.acceptance`` (config: ``configs/eval_acceptance.yaml``).
+"""Hydra front door of ``python -m eval.acceptance`` and the ``dflash2-eval-acceptance`` entry point.
+
+Config: ``configs/eval_acceptance.yaml`` (found by dflash2/config_dir.py). Hydra's whole command
+line works (``--cfg job``, ``-m drafter=A,B``: job N of a sweep writes into ``paths.output_dir/N``).
 
 The only Hydra user in ``dflash2.eval``; the work is done by the Hydra-free
 ``evaluate_acceptance``. The yaml is registered in Hydra's ConfigStore instead of
@@ -10,10 +13,10 @@ as a group choice there. Every user error prints one line and exits with status 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
 
+from dflash2.config_dir import config_dir
 from dflash2.errors import DFlash2Error
 
 log = logging.getLogger(__name__)
@@ -22,13 +25,8 @@ JOB_LOGGING = "dflash2"
 
 
 def config_file(name: str = CONFIG_NAME) -> Path:
-    """configs/<name>.yaml of the project: $PROJECT_ROOT, the source checkout, or the cwd."""
-    roots = [os.environ.get("PROJECT_ROOT"), Path(__file__).resolve().parents[2], Path.cwd()]
-    for root in filter(None, roots):
-        path = Path(root) / "configs" / f"{name}.yaml"
-        if path.is_file():
-            return path
-    raise DFlash2Error(f"configs/{name}.yaml not found; run from the project root or set PROJECT_ROOT")
+    """configs/<name>.yaml of the checkout or of the installed package (dflash2/config_dir.py)."""
+    return config_dir() / f"{name}.yaml"
 
 
 def run(cfg) -> dict:
@@ -109,6 +107,8 @@ def register_configs() -> None:
 def main() -> None:
     """Entry point: compose the config (with CLI overrides) and run; DFlash2Error -> one line, exit 2."""
     import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     try:
         register_configs()
@@ -118,6 +118,8 @@ def main() -> None:
 
     @hydra.main(version_base="1.3", config_path=None, config_name=CONFIG_NAME)
     def _app(cfg) -> None:
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # job N of a sweep writes into paths.output_dir/N
+            cfg.paths.output_dir = HydraConfig.get().runtime.output_dir
         try:
             run(cfg)
         except DFlash2Error as e:

@@ -1,4 +1,5 @@
-"""Hydra front door of ``python -m eval.speedup`` (config: ``configs/eval_speedup.yaml``).
+"""Hydra front door of ``python -m eval.speedup`` and the ``dflash2-eval-speedup`` entry point
+(config: ``configs/eval_speedup.yaml``; ``-m``: job N of a sweep writes into ``paths.output_dir/N``).
 
 Like ``eval.acceptance``: the yaml is registered in Hydra's ConfigStore (so ``target=`` and
 ``drafter=`` are plain values, not the training config groups), the work is done by the
@@ -84,6 +85,8 @@ def main() -> None:
     """Entry point: compose the config (with CLI overrides) and run; DFlash2Error -> one line, exit 2."""
     import hydra
     from hydra.core.config_store import ConfigStore
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
     from omegaconf import OmegaConf
 
     try:
@@ -94,6 +97,8 @@ def main() -> None:
 
     @hydra.main(version_base="1.3", config_path=None, config_name=CONFIG_NAME)
     def _app(cfg) -> None:
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # job N of a sweep writes into paths.output_dir/N
+            cfg.paths.output_dir = HydraConfig.get().runtime.output_dir
         try:
             run(cfg)
         except DFlash2Error as e:
