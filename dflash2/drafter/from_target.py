@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dflash2.drafter.config import DrafterConfig
+from dflash2.drafter.parameter_count import dflash2_counterpart, widened_to_match
 from dflash2.errors import DFlash2Error
 from dflash2.tokenizer import tokenizer_fingerprint
 
@@ -67,6 +68,9 @@ def drafter_config_for_target(settings: dict, target) -> DrafterConfig:
         target_tokenizer_fingerprint=tokenizer_fingerprint(target.tokenizer) if target.tokenizer is not None else None,
     )
     config.validate()
+    if settings.get("match_dflash2_parameters"):
+        # the capacity control of the ablation: v1 as large as DFlash2 at these settings (parameter_count.py)
+        config = widened_to_match(config, dflash2_counterpart(config))
     return config
 
 
