@@ -54,9 +54,11 @@ def test_scripted_acceptance_equals_greedy(hybrid, mode):
     proposer = ScriptedProposer(full[:2], ["oracle", "partial"], B, model.vocab_size)
     res = generate_spec(model, proposer, prompts[:2], N_NEW)
     assert res.sequences == _greedy(full[:2], prompts[:2])
-    oracle, partial = res.accepted
+    oracle, partial = res.accepted_drafts
     assert oracle == [B - 1] * -(-(N_NEW - 1) // B)  # full acceptance commits B per step
     assert {0, B - 1} <= set(partial)  # zero accepted (commits exactly 1) and full, in the ragged row
+    for acc, emitted in zip(res.accepted_drafts, res.emitted):  # accepted + 1 per step but a budget-cut last
+        assert emitted[:-1] == [a + 1 for a in acc[:-1]]
 
 
 @pytest.mark.slow
