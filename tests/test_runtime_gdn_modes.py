@@ -54,7 +54,7 @@ def test_scripted_acceptance_equals_greedy(hybrid, mode):
     proposer = ScriptedProposer(full[:2], ["oracle", "partial"], B, model.vocab_size)
     res = generate_spec(model, proposer, prompts[:2], N_NEW)
     assert res.sequences == _greedy(full[:2], prompts[:2])
-    oracle, partial = res.accepted
+    oracle, partial = res.accepted_drafts
     assert oracle == [B - 1] * -(-(N_NEW - 1) // B)  # full acceptance commits B per step
     assert {0, B - 1} <= set(partial)  # zero accepted (commits exactly 1) and full, in the ragged row
 

@@ -284,7 +284,7 @@ def test_bf16_speculative_decoding_with_accepted_drafts_equals_bf16_greedy(targe
     proposer = ScriptedDrafts([p + g for p, g in zip(prompts, greedy)], B, target.vocab_size, always_right)
     res = speculative_generate(target, proposer, prompts, max_new_tokens=n)
     assert res.sequences == [g[:n] for g in greedy]
-    accepted = [a for row in res.accepted for a in row]
+    accepted = [a for row in res.accepted_drafts for a in row]
     assert max(accepted) == B - 1 and (always_right or min(accepted) == 0)
 
 
