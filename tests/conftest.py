@@ -11,8 +11,11 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Without a GPU, the runtime's Triton kernels are tested through Triton's interpreter, which has to be
-# chosen before triton is first imported (test_runtime_kernels.py); CPU tensors reach the kernels only
-# inside dflash2.runtime.kernels.on_cpu(). With a GPU the kernels run for real.
+# chosen before triton is first imported (triton 3.9 jits triton.language's own helpers then:
+# dflash2/runtime/kernels/triton_util.py). CPU tensors reach the fused kernels only inside
+# dflash2.runtime.kernels.on_cpu() (test_runtime_kernels.py) and the GDN kernels through
+# GDNState(mode="replay" | "native") (test_runtime_gdn_*.py). With a GPU the kernels run for real
+# and their CPU cases skip (or run the suite with TRITON_INTERPRET=1 to interpret everything).
 if not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0")):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -20,13 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-# Triton kernels (dflash2/runtime/kernels) run on CPU tensors only in Triton's interpreter, which
-# triton 3.9 switches on when triton is first imported (kernels/triton_util.py says why): without a
-# GPU, switch it on here, before any test module imports triton. With a GPU the kernels compile and
-# their CPU cases skip (or run the suite with TRITON_INTERPRET=1 to interpret everything).
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # One thread: tiny test models gain nothing from more, and oversubscribed OpenMP
 # threads (several processes on 2 cores) slow small matmuls down by 10-40x.
