@@ -1,7 +1,7 @@
 """Export a trained drafter for serving engines (ARCHITECTURE.md §7; issue 5).
 
     dflash2-export checkpoint=PATH out=DIR [format=auto|dflash|dflash2]
-                   [dtype=bfloat16|float32] [target=PATH_OR_ID]
+                   [dtype=auto|bfloat16|float32] [target=PATH_OR_ID]
     (or: python -m dflash2.export ..., which also works in a checkout without installing)
 
 ``checkpoint`` is a Lightning ``.ckpt`` from training, a run folder (its
@@ -49,12 +49,22 @@ from dflash2.errors import DFlash2Error
 from dflash2.export_fill import fill_missing_addition
 from dflash2.logging_setup import configure_console_logging
 from dflash2.safe_load import UnsafeFileError, load_torch_file
+from dflash2.target_dtype import resolve_target_dtype
+from dflash2.text_model import config_field, rope_theta, text_config
 
 log = logging.getLogger(__spec__.name if __spec__ else __name__)  # dflash2.export under `python -m` too
 
 FORMATS = ("auto", "dflash", "dflash2")
 ARCHITECTURE = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+# Weights dtype of the export. Serving engines run on a GPU and cast the drafter to the target's
+# dtype; `auto` is what `target.dtype=auto` resolves to on a GPU (dflash2.target_dtype): bf16.
+DTYPES = {
+    "auto": resolve_target_dtype("auto", "cuda"),
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
 EXPORT_INFO_KEY = "dflash2_export"  # namespaced: no serving loader reads it (see export_info)
 USAGE = __doc__.split("\n\n")[1] if __doc__ else ""
 
@@ -190,16 +200,13 @@ def read_target_info(name_or_path: str) -> TargetInfo:
             f"could not read the target config from {name_or_path} ({type(e).__name__}); "
             "pass target=<local HF folder> of the model the drafter was trained for"
         ) from e
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
-    theta = params.get("rope_theta") if isinstance(params, dict) else None
-    theta = theta if theta is not None else getattr(text, "rope_theta", None)
+    text = text_config(cfg)  # composite folders (Qwen3.5 with text_config + vision_config) too
     return TargetInfo(
         str(name_or_path),
-        int(text.num_hidden_layers),
-        int(text.hidden_size),
-        int(text.vocab_size),
-        float(theta) if theta is not None else None,
+        int(config_field(text, "num_hidden_layers")),
+        int(config_field(text, "hidden_size")),
+        int(config_field(text, "vocab_size")),
+        rope_theta(text),
         _local_tokenizer_fingerprint(name_or_path),
     )
 
@@ -627,8 +634,10 @@ def parse_args(argv: list[str]) -> dict:
     for need in ("checkpoint", "out"):
         if not args.get(need):
             raise DFlash2Error(f"missing {need}=...; usage: dflash2-export checkpoint=PATH out=DIR")
-    if args.get("dtype", "bfloat16") not in DTYPES:
-        raise DFlash2Error(f"dtype={args['dtype']!r} is not supported; use dtype=bfloat16 or dtype=float32")
+    if args.get("dtype", "auto") not in DTYPES:
+        raise DFlash2Error(
+            f"dtype={args['dtype']!r} is not supported; use dtype=auto (= bf16), dtype=bfloat16 or dtype=float32"
+        )
     return args
 
 
@@ -644,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
             a["checkpoint"],
             a["out"],
             fmt=a.get("format", "auto"),
-            dtype=DTYPES[a.get("dtype", "bfloat16")],
+            dtype=DTYPES[a.get("dtype", "auto")],
             target=a.get("target") or None,
         )
     except DFlash2Error as e:

@@ -27,6 +27,8 @@ import torch
 from torch import nn
 
 from dflash2.errors import DFlash2Error
+from dflash2.target_dtype import resolve_target_dtype
+from dflash2.text_model import language_model, text_config
 
 # Layer-type names found in HF configs -> the two kinds dflash2 cares about.
 # Softmax attention of any window is rolled back by cropping its KV cache, so
@@ -44,16 +46,6 @@ _LAYER_KINDS = {
 }
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-}
 
 
 def default_target_layer_ids(num_layers: int, num_taps: int = 5) -> list[int]:
@@ -121,10 +113,14 @@ class TargetModel(nn.Module):
 
     Attributes:
         model: the HF ``PreTrainedModel``, in eval mode with ``requires_grad=False`` everywhere.
-        config: ``model.config``.
+        config: ``model.config`` (composite for a conditional-generation model).
+        text_config: the text decoder's config (``dflash2.text_model.text_config``); every field
+            the drafter copies from the target is read from it.
+        language_model: the text decoder module (``dflash2.text_model.language_model``):
+            ``model.model`` for causal LMs, ``model.model.language_model`` for composite models.
         tokenizer: the HF tokenizer saved beside the weights, or None when there is none.
         target_layer_ids: list[int], the tapped layers (K = len).
-        num_layers, hidden_size: of the text decoder (``config.get_text_config()``).
+        num_layers, hidden_size: of the text decoder.
         vocab_size: rows of the input embedding (== ``config.vocab_size`` for all supported models).
         layer_types: list[str], each 'full_attention' or 'linear_attention'.
         has_linear_attention: True for hybrids (Qwen3-Next, Qwen3.5), whose GDN state needs §5 rollback.
@@ -152,7 +148,7 @@ class TargetModel(nn.Module):
         self.config = model.config
         self.tokenizer = tokenizer
         self.name_or_path = name_or_path or getattr(self.config, "_name_or_path", "") or type(model).__name__
-        text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        self.text_config = text = text_config(self.config)
         self.num_layers = int(text.num_hidden_layers)
         self.hidden_size = int(text.hidden_size)
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
@@ -162,7 +158,9 @@ class TargetModel(nn.Module):
             self.target_layer_ids = default_target_layer_ids(self.num_layers, num_taps)
         else:
             self.target_layer_ids = validate_target_layer_ids(target_layer_ids, self.num_layers)
-        layers = _find_decoder_layers(model, self.num_layers, self.name_or_path)
+        # A plain attribute, not a submodule: it is part of `model` already (no duplicate state_dict keys).
+        object.__setattr__(self, "language_model", language_model(model, self.num_layers))
+        layers = self.language_model.layers
         # A plain dict, not an nn.ModuleList attribute: registering the layers a second
         # time would duplicate their weights in state_dict().
         self._tapped = {i: layers[i] for i in self.target_layer_ids}
@@ -183,15 +181,16 @@ class TargetModel(nn.Module):
     ) -> TargetModel:
         """Load a frozen target from a local HF folder or a hub id.
 
-        dtype: a ``torch.dtype``, 'bfloat16'/'float16'/'float32' (or bf16/fp16/fp32), or 'auto'/None
-        (the dtype the checkpoint was saved in). device: where to move the model afterwards.
+        dtype: a ``torch.dtype``, 'bfloat16'/'float16'/'float32' (or bf16/fp16/fp32), or 'auto'/None:
+        bf16 when ``device`` is a GPU, else fp32 (``dflash2.target_dtype``). device: where to move
+        the model afterwards.
         Every user-fixable failure (missing path, folder without weights, corrupted safetensors,
         unreachable hub) is a one-line :class:`DFlash2Error`.
         """
         from transformers import AutoModelForCausalLM
 
         source, is_local = _resolve_source(str(name_or_path))
-        kwargs = {"dtype": _parse_dtype(dtype), "trust_remote_code": trust_remote_code}
+        kwargs = {"dtype": resolve_target_dtype(dtype, device), "trust_remote_code": trust_remote_code}
         try:
             model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
         except OSError as e:
@@ -225,8 +224,21 @@ class TargetModel(nn.Module):
 
     @property
     def final_norm(self) -> nn.Module | None:
-        """The decoder's final norm (``model.model.norm``), applied before ``lm_head``; None if absent."""
-        return getattr(self.model.base_model, "norm", None)
+        """The text decoder's final norm (``language_model.norm``), applied before ``lm_head``; None if absent."""
+        return getattr(self.language_model, "norm", None)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the target computes in (that of its input embedding)."""
+        return self.embed_tokens.weight.dtype
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The frozen LM head on hidden states (..., d) of any dtype -> logits (..., V) in the target's dtype.
+
+        The drafter may run in another dtype than the target (fp32 master weights beside a
+        bf16 target): its hidden states are cast to the head's dtype first, as when served."""
+        head = self.lm_head
+        return head(hidden.to(head.weight.dtype))
 
     def train(self, mode: bool = True) -> TargetModel:
         """Keep the HF model in eval whatever is asked: Lightning calls ``.train()`` on the whole module tree."""
@@ -261,12 +273,11 @@ class TargetModel(nn.Module):
     def tap_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Only the taps: input_ids (N, L) -> (N, L, K*d), concatenated in target_layer_ids order.
 
-        Runs the decoder without ``lm_head``: the (N, L, V) logits are the largest
+        Runs the text decoder without ``lm_head``: the (N, L, V) logits are the largest
         activation of a big-vocab target and training features do not need them.
         """
-        base = self.model.base_model
         with self._capture() as captured:
-            base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            self.language_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return self._concat(captured)
 
     def _capture(self):
@@ -336,21 +347,6 @@ def _layer_kinds(raw: Any, num_layers: int) -> list[str]:
             )
         kinds.append(_LAYER_KINDS[name])
     return kinds
-
-
-def _find_decoder_layers(model: nn.Module, num_layers: int, name: str) -> nn.ModuleList:
-    """The decoder-layer list: ``model.model.layers`` (Qwen3, Qwen3.5, Qwen3-Next, Llama), else the first
-    ModuleList holding num_layers modules."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if isinstance(layers, nn.ModuleList) and len(layers) >= num_layers:
-        return layers
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) == num_layers:
-            return module
-    raise DFlash2Error(
-        f"cannot find the {num_layers} decoder layers of target {name} (looked for model.model.layers "
-        "and any ModuleList of that length); this architecture is not supported"
-    )
 
 
 def _looks_like_path(s: str) -> bool:
@@ -456,17 +452,6 @@ def _load_tokenizer(source: str, is_local: bool, trust_remote_code: bool):
             f"tokenizer files in target folder {source} could not be loaded ({_first_line(e)}); "
             "re-save the tokenizer with save_pretrained or remove the broken files"
         ) from e
-
-
-def _parse_dtype(dtype: Any):
-    if dtype is None or dtype == "auto":
-        return "auto"  # the dtype the checkpoint was saved in
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    key = str(dtype).lower().removeprefix("torch.")
-    if key not in _DTYPES:
-        raise DFlash2Error(f"target dtype {dtype!r} is not understood; use bfloat16, float16, float32 or auto")
-    return _DTYPES[key]
 
 
 def _first_line(e: BaseException) -> str:

@@ -21,6 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
+# Triton kernels (dflash2/runtime/kernels) run on CPU tensors only in Triton's interpreter, which
+# triton 3.9 switches on when triton is first imported (kernels/triton_util.py says why): without a
+# GPU, switch it on here, before any test module imports triton. With a GPU the kernels compile and
+# their CPU cases skip (or run the suite with TRITON_INTERPRET=1 to interpret everything).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # One thread: tiny test models gain nothing from more, and oversubscribed OpenMP
 # threads (several processes on 2 cores) slow small matmuls down by 10-40x.
 torch.set_num_threads(1)

@@ -80,6 +80,23 @@ def test_cached_target_is_reused(built, monkeypatch):
     assert (tmp / "b" / "target" / "model.safetensors").exists()
 
 
+def test_the_run_seed_does_not_rebuild_the_target_but_the_target_seed_does(built, monkeypatch):
+    """`-m seed=0,1,2` sweeps drafters over one cached target; `target.seed` picks another target."""
+    import dflash2.training.build_target as bt
+
+    tmp, _ = built
+    key = target_cache_key(compose_cfg(build_overrides(tmp, "k", tmp / "cache_a")))
+    assert target_cache_key(compose_cfg(build_overrides(tmp, "k", tmp / "cache_a", "seed=7"))) == key
+    assert target_cache_key(compose_cfg(build_overrides(tmp, "k", tmp / "cache_a", "target.seed=7"))) != key
+
+    def must_not_build(*args, **kwargs):
+        raise AssertionError("another run seed rebuilt the target")
+
+    monkeypatch.setattr(bt, "build_embedded_target", must_not_build)
+    build(tmp, "seed7", tmp / "cache_a", "seed=7")
+    assert (tmp / "seed7" / "target" / "model.safetensors").exists()
+
+
 def test_rebuild_from_the_seed_is_identical(built):
     from safetensors.torch import load_file
 

@@ -69,6 +69,25 @@ def test_drafter_v1_and_v2_differ_only_in_additions(tmp_path):
     assert v2.selector_gold_injection is False and v2.selector_zero_successor_init is False
 
 
+def test_ablation_variants_differ_from_v1_only_in_their_switches(tmp_path):
+    """The variants of `python -m eval.ablation` (docs/ABLATION.md) are v1 with one switch flipped each."""
+    from dflash2.eval.ablation_plan import VARIANTS
+
+    v1 = _compose(["drafter=dflash"], tmp_path).drafter
+    switches = {
+        "dflash": {},
+        "dflash_matched": {"match_dflash2_parameters": True},
+        "dflash2_conv_only": {"use_local_conv": True},
+        "dflash2_selector_only": {"use_selector": True},
+        "dflash2": {"use_local_conv": True, "use_selector": True},
+    }
+    assert set(VARIANTS) == set(switches)
+    for variant, flipped in switches.items():
+        cfg = _compose([f"drafter={variant}"], tmp_path).drafter
+        assert cfg.version == variant
+        assert {k: cfg[k] for k in cfg if k != "version" and cfg[k] != v1[k]} == flipped, variant
+
+
 def test_experiments_set_the_task(tmp_path):
     assert _compose(["experiment=target_tiny"], tmp_path).task == "target"
     small = _compose(["experiment=target_small"], tmp_path)

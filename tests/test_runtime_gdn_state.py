@@ -10,7 +10,7 @@ the token-by-token outputs.
 import pytest
 import torch
 
-from dflash2.runtime.gdn_state import GDNState, gdn_verify
+from dflash2.runtime.gdn_state import GDNState, gdn_gates, gdn_verify
 
 N, T, K = 3, 6, 4
 HK, H, DK, DV = 2, 4, 8, 8  # 2 key heads serve 4 value heads, as in the GQA-style GDN configs
@@ -18,12 +18,19 @@ C = 2 * HK * DK + H * DV
 
 
 def _inputs(seed: int, steps: int = T):
+    """x, conv weight, and the gate inputs (a, b, A_log, dt_bias) that GDNState.verify takes."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(N, steps, C, generator=g)
     conv_weight = 0.5 * torch.randn(C, 1, K, generator=g)
-    decay = -torch.rand(N, steps, H, generator=g)  # log decays in (-1, 0]
-    beta = torch.rand(N, steps, H, generator=g)
-    return x, conv_weight, decay, beta
+    a, b = torch.randn(N, steps, H, generator=g), torch.randn(N, steps, H, generator=g)
+    gates = (a, b, 0.5 * torch.randn(H, generator=g), torch.randn(H, generator=g))  # a, b, A_log, dt_bias
+    return x, conv_weight, gates
+
+
+def _at(gates, t):
+    """The gate inputs of block token t alone."""
+    a, b, A_log, dt_bias = gates
+    return a[:, t : t + 1], b[:, t : t + 1], A_log, dt_bias
 
 
 def _state(seed: int) -> GDNState:
@@ -53,11 +60,11 @@ def _clone(s: GDNState) -> GDNState:
     return c
 
 
-def _token_by_token(s: GDNState, x, w, decay, beta, n: torch.Tensor) -> torch.Tensor:
+def _token_by_token(s: GDNState, x, w, gates, n: torch.Tensor) -> torch.Tensor:
     """Feed tokens one at a time (verify 1 + commit 1); row r stops after n[r]. Returns o (N, T, H, DV)."""
     outs = []
     for t in range(x.shape[1]):
-        outs.append(s.verify(0, x[:, t : t + 1], w, decay[:, t : t + 1], beta[:, t : t + 1]))
+        outs.append(s.verify(0, x[:, t : t + 1], w, *_at(gates, t)))
         s.commit((t < n).long())
     return torch.cat(outs, dim=1)
 
@@ -65,18 +72,18 @@ def _token_by_token(s: GDNState, x, w, decay, beta, n: torch.Tensor) -> torch.Te
 @pytest.mark.parametrize("n", [[k] * N for k in range(1, T + 1)] + [[1, 4, 6], [6, 2, 1], [0, 3, 5]])
 def test_verify_then_commit_equals_token_by_token(n):
     n = torch.tensor(n)
-    x, w, decay, beta = _inputs(seed=1)
+    x, w, gates = _inputs(seed=1)
     spec, ref = _state(2), _state(2)
-    o_verify = spec.verify(0, x, w, decay, beta)
+    o_verify = spec.verify(0, x, w, *gates)
     before = (spec.conv.clone(), spec.rec.clone())
     assert torch.equal(spec.conv, ref.conv) and torch.equal(spec.rec, ref.rec)  # verify wrote nothing
     spec.commit(n)
-    o_steps = _token_by_token(ref, x, w, decay, beta, n)
+    o_steps = _token_by_token(ref, x, w, gates, n)
     # replay repeats verify's two updates in the same order: the fold is exact in practice (≤ 1 ulp)
     torch.testing.assert_close(spec.rec, ref.rec, rtol=0, atol=1e-6)
     torch.testing.assert_close(spec.conv, ref.conv, rtol=0, atol=0)  # a copy of inputs: exact
     # every token's output equals the token-by-token output (rows past n[r] too, when fed in full)
-    full = _token_by_token(_state(2), x, w, decay, beta, torch.full((N,), T))
+    full = _token_by_token(_state(2), x, w, gates, torch.full((N,), T))
     torch.testing.assert_close(o_verify, full, rtol=0, atol=1e-6)
     torch.testing.assert_close(o_verify[:, :1], o_steps[:, :1], rtol=0, atol=1e-6)
     zero = n == 0  # rows that took no part keep their state
@@ -85,10 +92,10 @@ def test_verify_then_commit_equals_token_by_token(n):
 
 def test_conv_window_after_commit_is_last_inputs():
     """New window = last K-1 columns of [old window | x_1 .. x_n] for each row's own n."""
-    x, w, decay, beta = _inputs(seed=3)
+    x, w, gates = _inputs(seed=3)
     s = _state(4)
     old = s.conv[0].clone()
-    s.verify(0, x, w, decay, beta)
+    s.verify(0, x, w, *gates)
     n = torch.tensor([1, 2, 6])
     s.commit(n)
     for r in range(N):
@@ -108,10 +115,11 @@ def test_gdn_verify_matches_hf_functions():
     torch_recurrent_gated_delta_rule with qk L2 norm): same outputs and same final states."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-    x, w, decay, beta = _inputs(seed=5)
+    x, w, gates = _inputs(seed=5)
+    decay, beta = gdn_gates(*gates)
     s = _state(6)
     conv0, rec0 = s.conv[0].clone(), s.rec[0].clone()
-    o = s.verify(0, x, w, decay, beta)
+    o = s.verify(0, x, w, *gates)
     s.commit(torch.full((N,), T))
     # HF keeps K conv columns (the oldest is never read); its update writes the state in place
     hf_conv = torch.cat([torch.zeros(N, C, 1), conv0], dim=-1)
@@ -134,7 +142,8 @@ def test_gdn_verify_matches_hf_functions():
 
 def test_verify_keeps_bf16_inputs_and_fp32_state():
     """Model-dtype logs/outputs, fp32 recurrence: o comes back in x's dtype, the state stays fp32."""
-    x, w, decay, beta = _inputs(seed=7)
+    x, w, gates = _inputs(seed=7)
+    decay, beta = gdn_gates(*gates)
     s = _state(8)
     o, log = gdn_verify(x.bfloat16(), s.conv[0].bfloat16(), w.bfloat16(), s.rec[0], decay, beta.bfloat16(), HK, DK)
     assert o.dtype == torch.bfloat16 and log.u.dtype == log.k.dtype == log.g.dtype == torch.float32

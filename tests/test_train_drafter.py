@@ -468,3 +468,30 @@ def test_trained_run_exports_and_reloads_with_identical_drafts_and_tau(trained_r
         and a.mean_tau == b.mean_tau
     )
     assert (out / "README.md").exists() and "DFlash2DraftModel" in (out / "config.json").read_text()
+
+
+def test_every_variant_trains_from_the_same_backbone_at_one_seed(tmp_path, micro_train_overrides, monkeypatch):
+    """The Lightning path (train.py's seeding and build): the weights a run starts from are, on the backbone,
+    bitwise the same for v1 and every DFlash2 variant, and they follow the seed (issue 11, fair ablation)."""
+    from dflash2.drafter.initialisation import is_backbone_parameter
+    from dflash2.training.drafter_module import DrafterTrainingModule
+
+    initial = {}
+    real_on_fit_start = DrafterTrainingModule.on_fit_start
+
+    def record_initial_weights(module):
+        initial[current] = {k: v.clone() for k, v in module.drafter.state_dict().items()}
+        real_on_fit_start(module)
+
+    monkeypatch.setattr(DrafterTrainingModule, "on_fit_start", record_initial_weights)
+    runs = [("dflash", 0), ("dflash2_conv_only", 0), ("dflash2_selector_only", 0), ("dflash2", 0), ("dflash", 1)]
+    for current in runs:
+        drafter, seed = current
+        overrides = [*micro_train_overrides, f"drafter={drafter}", f"seed={seed}", "debug=fast_dev_run"]
+        run_from_config(compose_run(tmp_path, overrides, name=f"{drafter}-{seed}"))
+    v1 = initial[("dflash", 0)]
+    assert all(is_backbone_parameter(k) for k in v1)
+    for run in runs[1:4]:
+        assert {k for k in initial[run] if is_backbone_parameter(k)} == set(v1), run
+        assert [k for k in v1 if not torch.equal(v1[k], initial[run][k])] == [], run
+    assert not torch.equal(v1["fc.weight"], initial[("dflash", 1)]["fc.weight"])  # another seed, other weights

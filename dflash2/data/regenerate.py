@@ -12,7 +12,7 @@ a `datasets` Arrow dataset with columns
     prompt_len int
 
 saved under `cache_dir/data/<split>-<key>/`, where the key hashes the
-target, the corpus split and every generation setting: a rerun with the same
+target, the dtype it runs in, the corpus split and every generation setting: a rerun with the same
 inputs reuses it, a changed input regenerates. The dataset is written to a
 temporary folder renamed into place, so an interrupted run leaves no half
 dataset behind.
@@ -46,6 +46,7 @@ from dflash2.data.chat_sources import chat_fingerprint, iter_conversations
 from dflash2.data.prompts import PromptBatch, chat_prompt_batches, code_prompt_batches
 from dflash2.data.shard_store import Shard, ShardStore
 from dflash2.errors import DFlash2Error
+from dflash2.target_dtype import dtype_name
 from dflash2.tokenizer import CHAT_TEMPLATE
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,31 @@ def generate_responses(
     return result.cpu()
 
 
+def regeneration_cache_key(
+    target, data: dict, *, split: str, num_prompts: int | None, seed: int, target_id: str
+) -> str:
+    """16 hex digits naming a regenerated split: target contents, the dtype it runs in, corpus split,
+    settings and, for chat data, the conversations and template.
+
+    The dtype is part of it because a bf16 target's greedy continuations differ from its
+    fp32 ones (near-ties flip), so each precision gets its own data (ARCHITECTURE.md §2.1).
+    """
+    inputs = {
+        "target": target_fingerprint(target_id),
+        "target_dtype": dtype_name(target.dtype),
+        "corpus": corpus_fingerprint(data["sources"], split, **split_kwargs(data)),
+        "settings": generation_settings(data, split, num_prompts, seed),
+    }
+    template = chat_template_of(data, target.tokenizer)
+    if template is not None:
+        inputs["chat"] = {
+            "conversations": chat_fingerprint(data["chat"]["conversations"]),
+            "template": template,
+            "plain_template": hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest()[:16] if template == "plain" else None,
+        }
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def regenerate_split(
     target,
     data: dict,
@@ -176,18 +202,7 @@ def regenerate_split(
     if tokenizer is None:
         raise DFlash2Error(f"target {target_id} has no tokenizer files; regeneration needs one next to the weights")
     template = chat_template_of(data, tokenizer)
-    inputs = {
-        "target": target_fingerprint(target_id),
-        "corpus": corpus_fingerprint(data["sources"], split, **split_kwargs(data)),
-        "settings": generation_settings(data, split, num_prompts, seed),
-    }
-    if template is not None:
-        inputs["chat"] = {
-            "conversations": chat_fingerprint(data["chat"]["conversations"]),
-            "template": template,
-            "plain_template": hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest()[:16] if template == "plain" else None,
-        }
-    key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+    key = regeneration_cache_key(target, data, split=split, num_prompts=num_prompts, seed=seed, target_id=target_id)
     final = Path(cache_dir) / "data" / f"{split}-{key}"
     if (final / "dataset_info.json").exists():
         if (final / CHAT_ROWS).exists():  # the summary of skipped rows, again for this run's log

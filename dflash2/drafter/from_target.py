@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dflash2.drafter.config import DrafterConfig
+from dflash2.drafter.parameter_count import dflash2_counterpart, widened_to_match
 from dflash2.errors import DFlash2Error
+from dflash2.text_model import config_field, rope_theta
 from dflash2.tokenizer import tokenizer_fingerprint
 
 
@@ -13,8 +15,15 @@ def drafter_config_for_target(settings: dict, target) -> DrafterConfig:
     The drafter embeds blocks with the target's embedding and reads logits from
     the target's LM head, so its width and vocabulary are the target's; a
     different explicit value is a user error, reported before any training.
+
+    Fields copied from the target come from its *text* config (``target.text_config``,
+    ``dflash2.text_model``): rms_norm_eps, max_position_embeddings, and, unless the
+    drafter settings give them, intermediate_size and rope_theta. There is no fallback
+    value here: a field the target's config lacks is a one-line error naming it (the only
+    defaults are the HF config class's own, applied by transformers when config.json omits a
+    field, e.g. rope_theta = the class's default_theta).
     """
-    tcfg = target.config
+    text = target.text_config
     hidden = settings.get("hidden_size") or target.hidden_size
     if hidden != target.hidden_size:
         raise DFlash2Error(
@@ -35,17 +44,20 @@ def drafter_config_for_target(settings: dict, target) -> DrafterConfig:
             f"pick an unused id below {target.vocab_size}"
         )
     heads = int(settings["num_attention_heads"])
-    rope_theta = settings.get("rope_theta") or _target_rope_theta(tcfg)
+    intermediate = settings.get("intermediate_size") or config_field(
+        text, "intermediate_size", "set drafter.intermediate_size"
+    )
+    theta = settings.get("rope_theta") or rope_theta(text, "set drafter.rope_theta to the target's RoPE base")
     config = DrafterConfig(
         hidden_size=hidden,
-        intermediate_size=settings.get("intermediate_size") or getattr(tcfg, "intermediate_size", 4 * hidden),
+        intermediate_size=int(intermediate),
         num_hidden_layers=int(settings["num_hidden_layers"]),
         num_attention_heads=heads,
         num_key_value_heads=int(settings["num_key_value_heads"]),
         head_dim=settings.get("head_dim") or hidden // heads,
-        rms_norm_eps=float(getattr(tcfg, "rms_norm_eps", 1e-6)),
-        rope_theta=float(rope_theta),
-        max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", 4096)),
+        rms_norm_eps=float(config_field(text, "rms_norm_eps")),
+        rope_theta=float(theta),
+        max_position_embeddings=int(config_field(text, "max_position_embeddings")),
         vocab_size=target.vocab_size,
         target_hidden_size=target.hidden_size,
         target_layer_ids=list(target.target_layer_ids),
@@ -67,6 +79,9 @@ def drafter_config_for_target(settings: dict, target) -> DrafterConfig:
         target_tokenizer_fingerprint=tokenizer_fingerprint(target.tokenizer) if target.tokenizer is not None else None,
     )
     config.validate()
+    if settings.get("match_dflash2_parameters"):
+        # the capacity control of the ablation: v1 as large as DFlash2 at these settings (parameter_count.py)
+        config = widened_to_match(config, dflash2_counterpart(config))
     return config
 
 
@@ -95,13 +110,6 @@ def check_drafter_matches_target(config: DrafterConfig, target) -> None:
             f"drafter was trained for another target ({'; '.join(problems)}); "
             "use the target it was trained with or train a new drafter"
         )
-
-
-def _target_rope_theta(tcfg) -> float:
-    params = getattr(tcfg, "rope_parameters", None) or {}
-    if isinstance(params, dict) and "rope_theta" in params:
-        return params["rope_theta"]
-    return getattr(tcfg, "rope_theta", 10000.0)
 
 
 def _optional_float(value) -> float | None:

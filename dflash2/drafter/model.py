@@ -19,11 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash2.drafter.config import DrafterConfig
+from dflash2.drafter.initialisation import draw_seed, initialise_drafter
 from dflash2.drafter.local_conv import BlockLocalConv
 from dflash2.drafter.masks import context_padding_mask, dense_block_mask, flex_block_mask, sliding_window_mask
 from dflash2.drafter.selector import CandidateSelector, scale_logits
-
-INIT_STD = 0.02  # HF Qwen3 initializer_range; the drafter trains from scratch
 
 
 class RMSNorm(nn.Module):
@@ -223,50 +222,52 @@ class ContextCache:
 
 
 class DFlashDrafter(nn.Module):
-    def __init__(self, config: DrafterConfig):
+    """init_seed: seed of the initial weights (``dflash2.drafter.initialisation``): at the same seed the
+    backbone is bitwise the same whichever DFlash2 additions are on. None = drawn from the global RNG
+    (one draw), so ``torch.manual_seed(s); DFlashDrafter(cfg)`` is reproducible as well."""
+
+    def __init__(self, config: DrafterConfig, init_seed: int | None = None):
         super().__init__()
         self.config = config.validate()
         c = config
-        self.fc = nn.Linear(c.num_taps * c.target_hidden_size, c.hidden_size, bias=False)
-        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
-        # which layers read the sliding-window mask (§2.4); a plain list: no parameters, no state-dict keys
-        self.sliding_layers = [kind == "sliding_attention" for kind in c.layer_kinds]
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.candidate_selector = (
-            CandidateSelector(
-                c.vocab_size,
-                c.hidden_size,
-                c.selector_rank,
-                c.selector_top_k,
-                output_multiplier=c.output_multiplier,
-                final_logit_softcapping=c.final_logit_softcapping,
+        # nn.Linear runs its own random init while it is built, and how many of them there are depends
+        # on the variant: built on a forked RNG, so the global RNG after the build does not depend on it.
+        with torch.random.fork_rng(devices=[]):
+            self.fc = nn.Linear(c.num_taps * c.target_hidden_size, c.hidden_size, bias=False)
+            self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+            # which layers read the sliding-window mask (§2.4); a plain list: no parameters, no state-dict keys
+            self.sliding_layers = [kind == "sliding_attention" for kind in c.layer_kinds]
+            self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.candidate_selector = (
+                CandidateSelector(
+                    c.vocab_size,
+                    c.hidden_size,
+                    c.selector_rank,
+                    c.selector_top_k,
+                    output_multiplier=c.output_multiplier,
+                    final_logit_softcapping=c.final_logit_softcapping,
+                )
+                if c.use_selector
+                else None
             )
-            if c.use_selector
-            else None
-        )
-        self.reset_parameters()
+        self.reset_parameters(init_seed)
 
-    def reset_parameters(self):
+    def reset_parameters(self, init_seed: int | None = None):
         if self.fc.weight.is_meta:  # built on "meta" by load_drafter: every value comes from the file
             return
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=INIT_STD)
-            elif isinstance(m, RMSNorm):
-                nn.init.ones_(m.weight)
-        # after the generic pass: conv back to identity, selector to its small init
-        for m in self.modules():
-            if isinstance(m, (BlockLocalConv, CandidateSelector)):
-                m.reset_parameters()
+        initialise_drafter(self, draw_seed() if init_seed is None else init_seed)
 
     def _rope(self, positions, dtype):
         return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
 
     # ------------------------------------------------------------------ core
     def fuse_context(self, taps: torch.Tensor) -> torch.Tensor:
-        """taps (N, L, K·d_t) concatenated target features -> c (N, L, d)."""
-        return self.hidden_norm(self.fc(taps))
+        """taps (N, L, K·d_t) concatenated target features, any float dtype -> c (N, L, d).
+
+        The taps are cast to the drafter's own dtype: a bf16 target feeds an fp32 drafter
+        in training (fp32 master weights) and a bf16 or fp32 one when served."""
+        return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
 
     def embed_block(self, ids: torch.Tensor, embed_fn: Callable) -> torch.Tensor:
         """Block ids (N, S) -> (N, S, d): the target's frozen embedding times ``input_embedding_scale`` (§3.4)."""

@@ -59,13 +59,17 @@ class CandidateSelector(nn.Module):
         self.init_std = init_std
         self.reset_parameters()
 
-    def reset_parameters(self):
+    def reset_parameters(self, generator: torch.Generator | None = None):
         # Small init: the pair term is a product of three ~0.02-scale factors, i.e. ~0,
         # so a fresh selector's path is the per-position argmax of the drafter.
+        # generator: the selector's own random stream (dflash2.drafter.initialisation), drawn on the
+        # CPU so that the values do not depend on the device; None = the global RNG.
         if self.predecessor_codebook.is_meta:  # built on "meta" to be loaded: nothing to init
             return
-        for p in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection.weight):
-            nn.init.normal_(p, std=self.init_std)
+        with torch.no_grad():
+            for p in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection.weight):
+                values = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, self.init_std, generator=generator)
+                p.copy_(values)
 
     @torch.no_grad()
     def zero_successor_(self) -> CandidateSelector:

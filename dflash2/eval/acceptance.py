@@ -66,8 +66,10 @@ def as_prompts(prompts, tokenizer) -> list[Prompt]:
 
 def context_limit(target, drafter) -> int | None:
     """The smaller of the target's and the drafter's max_position_embeddings (None if neither says)."""
-    text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    limits = [getattr(text, "max_position_embeddings", None), getattr(drafter.config, "max_position_embeddings", None)]
+    limits = [
+        getattr(target.text_config, "max_position_embeddings", None),
+        getattr(drafter.config, "max_position_embeddings", None),
+    ]
     limits = [int(x) for x in limits if x]
     return min(limits) if limits else None
 
@@ -76,8 +78,7 @@ def default_eos(target) -> list[int] | None:
     tok = target.tokenizer
     if tok is not None and tok.eos_token_id is not None:
         return [int(tok.eos_token_id)]
-    text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    eos = getattr(text, "eos_token_id", None)
+    eos = getattr(target.text_config, "eos_token_id", None)
     if eos is None:
         return None
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if 0 <= int(e) < target.vocab_size]

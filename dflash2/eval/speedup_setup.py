@@ -92,6 +92,7 @@ def spread_taps(num_layers: int, k: int) -> list[int]:
 def random_drafter(target, *, block_size: int, num_layers: int, seed: int):
     """A random DFlash2 drafter (local conv + selector, released settings) at the target's width."""
     from dflash2.drafter import DFlashDrafter, DrafterConfig
+    from dflash2.text_model import rope_theta
 
     cfg = target.config
     k = min(5, target.num_layers)
@@ -102,7 +103,7 @@ def random_drafter(target, *, block_size: int, num_layers: int, seed: int):
         num_attention_heads=target.num_heads,
         num_key_value_heads=target.num_kv_heads,
         head_dim=target.head_dim,
-        rope_theta=float(getattr(cfg, "rope_theta", None) or (cfg.rope_parameters or {}).get("rope_theta", 1e6)),
+        rope_theta=rope_theta(cfg),  # the target's base (dflash2.text_model): no default of our own
         max_position_embeddings=int(cfg.max_position_embeddings),
         vocab_size=target.vocab_size,
         target_hidden_size=target.hidden_size,

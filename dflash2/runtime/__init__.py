@@ -7,7 +7,9 @@ Plain PyTorch, device-agnostic, no Lightning/Hydra. What exists now:
 - :mod:`dflash2.runtime.cache`: the static KV cache, per-row lengths, the per-step metadata
   and :class:`~dflash2.runtime.cache.DecodeState` (verify, then ``commit(n)``);
 - :mod:`dflash2.runtime.gdn_state`: Gated DeltaNet conv + recurrent states with
-  verify (outputs from the untouched state, logs k/u/g) and commit (replay of n tokens);
+  verify (outputs from the untouched state, logs k/u/g) and commit (replay of n tokens),
+  in plain PyTorch or through the Triton kernels of :mod:`dflash2.runtime.kernels`
+  (ReplaySSM, or native rollback as the ablation; ``load_model(..., gdn_mode=...)``);
 - :mod:`dflash2.runtime.drafter`: the DFlash / DFlash2 drafter over a static context cache;
 - :mod:`dflash2.runtime.step`, :mod:`dflash2.runtime.sampling`: the pieces of one step
   (prefill, verify, acceptance at T=0 and T>0 with sparse proposals, commit, emit);

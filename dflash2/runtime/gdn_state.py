@@ -18,9 +18,17 @@ same two updates in the same order (the "exact fold": u_t already holds the
 correction term, so replay needs no hᵀk and is not sequential in anything but h),
 and the new conv window is the last K-1 columns of ``[old window | x_1 .. x_n]``.
 
-This module is the plain-PyTorch implementation (a loop over T); Triton verify /
-replay kernels will implement the same two functions, :func:`gdn_verify` and
-:func:`gdn_replay`, and be tested against them.
+Three implementations of the same two steps, chosen by ``mode`` (§5.5):
+
+* ``"reference"``: plain PyTorch (kernels/gdn_verify/reference.py, kernels/gdn_replay/reference.py;
+  a Python loop over T), the oracle the kernels are tested against; runs anywhere;
+* ``"replay"``: the Triton ReplaySSM kernels (verify fused with conv + SiLU, L2 norms and gates;
+  commit = exact fold + conv roll);
+* ``"native"``: the native-rollback ablation: the verify kernel stores the full state after every
+  position and the commit copies row r's state at n[r]. Forwards longer than ``native_max_tokens``
+  (prefill) log for a fold instead: T full states of a long prompt would not fit.
+
+Triton modes on CPU tensors need Triton's interpreter (kernels/triton_util.py).
 
 Shapes: N rows, T block tokens, C conv channels (2·Hk·d_k + H·d_v), K conv kernel,
 Hk key heads, H value heads (Hk divides H), L_g GDN layers.
@@ -28,88 +36,15 @@ Hk key heads, H value heads (Hk divides H), L_g GDN layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 
+from dflash2.runtime.kernels.gdn_log import GDNLog, new_log
+from dflash2.runtime.kernels.gdn_replay.reference import gdn_replay
+from dflash2.runtime.kernels.gdn_verify.reference import gdn_gates, gdn_verify
 
-@dataclass
-class GDNLog:
-    """What :func:`gdn_verify` logs for one layer so that :func:`gdn_replay` can commit n tokens.
+GDN_MODES = ("reference", "replay", "native")
 
-    x: (N, T, C) pre-conv inputs (model dtype); k: (N, T, H, d_k) fp32, L2-normed keys (per value
-    head); u: (N, T, H, d_v) fp32, β·(v − hᵀk); g: (N, T, H) fp32 log decays.
-    """
-
-    x: torch.Tensor
-    k: torch.Tensor
-    u: torch.Tensor
-    g: torch.Tensor
-
-
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
-def gdn_verify(
-    x: torch.Tensor,
-    conv_state: torch.Tensor,
-    conv_weight: torch.Tensor,
-    rec_state: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    num_k_heads: int,
-    head_k_dim: int,
-) -> tuple[torch.Tensor, GDNLog]:
-    """Outputs of T tokens per row from the untouched states, plus the commit log.
-
-    x (N, T, C) pre-conv q|k|v projections; conv_state (N, C, K-1); conv_weight (C, 1, K);
-    rec_state (N, H, d_k, d_v) fp32 (read only); g (N, T, H) fp32; beta (N, T, H).
-    Returns o (N, T, H, d_v) in x's dtype and the :class:`GDNLog`.
-    """
-    N, T, C = x.shape
-    H, dk, dv = rec_state.shape[1:]
-    # causal depthwise conv over [window | block]: output t sees inputs t-K+1 .. t
-    window = torch.cat([conv_state, x.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # (N, C, K-1+T)
-    y = F.silu(F.conv1d(window.to(conv_weight.dtype), conv_weight, groups=C)).to(x.dtype)  # (N, C, T)
-    y = y.transpose(1, 2)  # (N, T, C)
-    key_dim = num_k_heads * head_k_dim
-    q, k, v = y.split([key_dim, key_dim, C - 2 * key_dim], dim=-1)
-    r = H // num_k_heads  # value heads per key head: head h reads q/k head h // r
-    q = _l2norm(q.reshape(N, T, num_k_heads, dk).float()).repeat_interleave(r, dim=2) / dk**0.5  # (N, T, H, dk)
-    k = _l2norm(k.reshape(N, T, num_k_heads, dk).float()).repeat_interleave(r, dim=2)
-    v = v.reshape(N, T, H, dv).float()
-    beta = beta.float()
-    h = rec_state.clone()  # working copy; the real state is only changed by commit
-    u = torch.empty(N, T, H, dv, dtype=torch.float32, device=x.device)
-    o = torch.empty(N, T, H, dv, dtype=torch.float32, device=x.device)
-    for t in range(T):
-        h = h * g[:, t].exp()[..., None, None]
-        u[:, t] = (v[:, t] - (h * k[:, t, :, :, None]).sum(-2)) * beta[:, t, :, None]  # (N, H, dv)
-        h = h + k[:, t, :, :, None] * u[:, t, :, None, :]
-        o[:, t] = (h * q[:, t, :, :, None]).sum(-2)
-    return o.to(x.dtype), GDNLog(x=x, k=k, u=u, g=g.float())
-
-
-def gdn_replay(
-    conv_state: torch.Tensor, rec_state: torch.Tensor, log: GDNLog, n: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fold the first n[r] logged tokens of row r into the states; n (N,) long in [0, T].
-
-    Returns the new (conv_state (N, C, K-1), rec_state (N, H, d_k, d_v) fp32). Same updates in
-    the same order as :func:`gdn_verify`, so the result equals feeding the n tokens one by one.
-    """
-    T = log.x.shape[1]
-    h = rec_state
-    for t in range(T):
-        folded = h * log.g[:, t].exp()[..., None, None]  # decay first, then the rank-1 update,
-        folded = folded + log.k[:, t, :, :, None] * log.u[:, t, :, None, :]  # exactly as verify rounds
-        h = torch.where((t < n)[:, None, None, None], folded, h)
-    km1 = conv_state.shape[-1]
-    window = torch.cat([conv_state, log.x.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # (N, C, K-1+T)
-    idx = (n[:, None] + torch.arange(km1, device=n.device))[:, None, :].expand(-1, window.shape[1], -1)
-    return window.gather(-1, idx), h  # window columns n .. n+K-2 = the last K-1 inputs after n tokens
+__all__ = ["GDN_MODES", "GDNLog", "GDNState", "gdn_gates", "gdn_replay", "gdn_verify"]
 
 
 class GDNState:
@@ -119,6 +54,8 @@ class GDNState:
     preallocated and updated in place (static addresses, CUDA-graph friendly); zeros
     = the empty prefix, as HF starts. ``verify(slot, ...)`` is called once per layer
     per forward and keeps that layer's log until ``commit(n)`` consumes all of them.
+    mode: 'reference' | 'replay' | 'native' (module docstring); kernel_options: block_v /
+    block_t / num_warps for the Triton kernels (tuning).
     """
 
     def __init__(
@@ -134,32 +71,44 @@ class GDNState:
         head_v_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        mode: str = "reference",
+        native_max_tokens: int = 16,
+        kernel_options: dict | None = None,
     ):
+        if mode not in GDN_MODES:
+            raise ValueError(f"GDN mode {mode!r}: expected one of {GDN_MODES}")
         self.conv = torch.zeros(num_layers, batch_size, conv_dim, conv_kernel - 1, dtype=dtype, device=device)
         self.rec = torch.zeros(
             num_layers, batch_size, num_v_heads, head_k_dim, head_v_dim, dtype=torch.float32, device=device
         )
         self.num_k_heads, self.head_k_dim = num_k_heads, head_k_dim
+        self.mode, self.native_max_tokens = mode, native_max_tokens
+        self.kernel_options = dict(kernel_options or {})
         self.logs: list[GDNLog | None] = [None] * num_layers
         self._static: dict[int, list[GDNLog]] = {}  # T -> per-layer logs at fixed addresses (reserve)
+
+    def _native(self, T: int) -> bool:
+        """Whether a T-token verify stores per-position states (native mode, short enough)."""
+        return self.mode == "native" and self.native_max_tokens >= T
 
     def reserve(self, T: int) -> None:
         """Preallocate the logs of T-token verifies: later verifies of T tokens write into them.
 
         Why: a captured verify graph and a captured commit graph must meet at the same addresses,
-        whichever verify graph (one per attended-length bucket) ran last.
+        whichever verify graph (one per attended-length bucket) ran last. (Native mode reserves the
+        T per-position states: that memory is the ablation's cost.)
         """
         if T in self._static:
             return
         L, N, C = self.conv.shape[:3]
         H, dk, dv = self.rec.shape[2:]
-        f32 = dict(dtype=torch.float32, device=self.rec.device)
+        dims = dict(num_k_heads=self.num_k_heads, num_v_heads=H, head_k_dim=dk, head_v_dim=dv)
         self._static[T] = [
-            GDNLog(
-                x=torch.zeros(N, T, C, dtype=self.conv.dtype, device=self.conv.device),
-                k=torch.zeros(N, T, H, dk, **f32),
-                u=torch.zeros(N, T, H, dv, **f32),
-                g=torch.zeros(N, T, H, **f32),
+            new_log(
+                torch.zeros(N, T, C, dtype=self.conv.dtype, device=self.conv.device),
+                **dims,
+                native=self._native(T),
+                alloc=torch.zeros,
             )
             for _ in range(L)
         ]
@@ -175,26 +124,67 @@ class GDNState:
         self.logs = [None] * len(self.logs)
 
     def verify(
-        self, slot: int, x: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+        self,
+        slot: int,
+        x: torch.Tensor,
+        conv_weight: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        A_log: torch.Tensor,
+        dt_bias: torch.Tensor,
     ) -> torch.Tensor:
-        """Layer ``slot``: x (N, T, C) pre-conv, conv_weight (C, 1, K), g / beta (N, T, H) -> o (N, T, H, d_v)."""
-        o, log = gdn_verify(x, self.conv[slot], conv_weight, self.rec[slot], g, beta, self.num_k_heads, self.head_k_dim)
+        """Layer ``slot``: x (N, T, C) pre-conv, conv_weight (C, 1, K), a / b (N, T, H) the raw gate
+        projections, A_log / dt_bias (H,) -> o (N, T, H, d_v) in x's dtype. The states are only read;
+        the log goes to the reserved addresses when T was reserved."""
         static = self._static.get(x.shape[1])
-        if static is not None:  # copy into the fixed addresses (small: T tokens of one layer)
-            for dst, src in zip(
-                (static[slot].x, static[slot].k, static[slot].u, static[slot].g), (log.x, log.k, log.u, log.g)
-            ):
-                dst.copy_(src)
-            log = static[slot]
-        self.logs[slot] = log
+        out = None if static is None else static[slot]
+        if self.mode == "reference":
+            g, beta = gdn_gates(a, b, A_log, dt_bias)
+            o, log = gdn_verify(
+                x, self.conv[slot], conv_weight, self.rec[slot], g, beta, self.num_k_heads, self.head_k_dim
+            )
+            if out is not None:  # copy into the fixed addresses (small: T tokens of one layer)
+                for dst, src in zip((out.x, out.k, out.u, out.g), (log.x, log.k, log.u, log.g)):
+                    dst.copy_(src)
+                log = out
+            self.logs[slot] = log
+            return o
+        from dflash2.runtime.kernels.gdn_verify import gdn_verify_triton  # Triton only where it runs
+
+        o, self.logs[slot] = gdn_verify_triton(
+            x,
+            self.conv[slot],
+            conv_weight,
+            self.rec[slot],
+            a,
+            b,
+            A_log,
+            dt_bias,
+            self.num_k_heads,
+            native=self._native(x.shape[1]),
+            out=out,
+            **self.kernel_options,
+        )
         return o
 
     def commit(self, n: torch.Tensor) -> None:
         """Fold n[r] tokens of the last verify into row r of every layer; n (N,) long in [0, T]."""
         if any(log is None for log in self.logs):
             raise RuntimeError("GDNState.commit without a verify of every GDN layer since the last commit")
-        for slot, log in enumerate(self.logs):
-            conv, rec = gdn_replay(self.conv[slot], self.rec[slot], log, n)
-            self.conv[slot].copy_(conv)
-            self.rec[slot].copy_(rec)
+        if self.mode == "reference":
+            for slot, log in enumerate(self.logs):
+                conv, rec = gdn_replay(self.conv[slot], self.rec[slot], log, n)
+                self.conv[slot].copy_(conv)
+                self.rec[slot].copy_(rec)
+        else:
+            from dflash2.runtime.kernels.gdn_replay import gdn_replay_triton
+
+            opts = {k: v for k, v in self.kernel_options.items() if k != "block_t"}
+            for slot, log in enumerate(self.logs):
+                gdn_replay_triton(self.conv[slot], self.rec[slot], log, n, **opts)
         self.logs = [None] * len(self.logs)
+
+    def log_bytes(self) -> int:
+        """Bytes of speculative state the pending logs hold (all layers, all rows): what the
+        verify → commit round trip keeps beyond the committed states."""
+        return sum(log.nbytes() for log in self.logs if log is not None)

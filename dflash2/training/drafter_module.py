@@ -76,8 +76,10 @@ class DrafterTrainingModule(L.LightningModule):
     def block_outputs(self, batch: dict, generator: torch.Generator) -> dict:
         """Forward of one batch: losses, predictions and labels. Shapes in comments."""
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # (N, L)
-        with torch.no_grad():
-            taps = self.target.tap_features(input_ids)  # (N, L, K*d_t)
+        # The target runs in its own dtype (target.dtype), outside the drafter's mixed-precision
+        # autocast: the taps are then the ones it produces when served; the drafter casts them.
+        with torch.no_grad(), torch.autocast(device_type=input_ids.device.type, enabled=False):
+            taps = self.target.tap_features(input_ids)  # (N, L, K*d_t) in the target's dtype
         anchors, valid = sample_anchors(loss_mask, self.num_anchors, generator)  # (N, A)
         if not bool(valid.any()):
             raise DFlash2Error(
@@ -88,10 +90,10 @@ class DrafterTrainingModule(L.LightningModule):
             taps, input_ids, self.target.embed_tokens, anchors, valid
         )  # (N, A, B, d)
         drafted = hidden[:, :, 1:]  # (N, A, P, d): block position k predicts token anchor + k
-        raw = self.target.lm_head(drafted)  # (N, A, P, V)
+        raw = self.target.head_logits(drafted)  # (N, A, P, V), drafted cast to the head's dtype
         # CE on the drafter's served logits (output multiplier / softcap, ARCHITECTURE.md §3.4): what T>0
         # samples from; the selector gets the raw ones and scales its top-k values itself, as engines do
-        logits = self.drafter.block_logits(drafted, self.target.lm_head, raw=raw)
+        logits = self.drafter.block_logits(drafted, self.target.head_logits, raw=raw)
         labels, label_mask = block_labels(input_ids, loss_mask, anchors, valid, self.block_size)
         weights = position_weights(self.block_size, self.loss_gamma, device=logits.device)
         ce = weighted_block_loss(logits, labels, label_mask, weights)

@@ -1,6 +1,7 @@
 """What `python train.py` does with a composed config (issues 2 and 3).
 
 task=target : build or reuse the target, publish it to output_dir/target/, report its held-out loss.
+task=data   : the above, then regenerate (or find cached) the data a drafter run reads, and stop.
 task=drafter: the above, then regenerate data with the target, train a drafter with
               Lightning, save it to output_dir/drafter/ and report held-out block accuracy.
 """
@@ -30,8 +31,8 @@ def run_from_config(cfg: DictConfig) -> dict:
     send_lightning_logs_to_root()  # Lightning's lines once, in the run's format and log file
     output_dir = Path(cfg.paths.output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.task not in ("target", "drafter"):
-        raise DFlash2Error(f"task={cfg.task!r}: use task=drafter (default) or task=target")
+    if cfg.task not in ("target", "data", "drafter"):
+        raise DFlash2Error(f"task={cfg.task!r}: use task=drafter (default), task=data or task=target")
     if cfg.task == "drafter":  # seconds, before a target is built or copied into the run
         check_drafter_files(cfg, output_dir)
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
@@ -45,6 +46,10 @@ def run_from_config(cfg: DictConfig) -> dict:
         info = json.loads(info_file.read_text())
         summary["target_build"] = {k: v for k, v in info.items() if k != "recipe"}
         log.info(format_target_report(info))
+    if cfg.task == "data":
+        from dflash2.training.train_drafter import prepare_data
+
+        summary["data"] = prepare_data(cfg, target_dir)
     if cfg.task == "drafter":
         from dflash2.training.train_drafter import train_drafter
 

@@ -27,6 +27,7 @@ from dflash2.errors import DFlash2Error
 from dflash2.eval.heldout_tau import measure_heldout_tau
 from dflash2.oom import REGENERATION_KNOBS, TRAINING_KNOBS, explain_oom, knob_hints
 from dflash2.target import TargetModel
+from dflash2.target_dtype import resolve_target_dtype
 from dflash2.training.build_target import to_plain as plain
 from dflash2.training.drafter_data import DrafterDataModule, collate_sequences
 from dflash2.training.drafter_module import DrafterTrainingModule
@@ -50,12 +51,14 @@ OOM_TRAINING_ADVICE = (
 
 
 def load_target(cfg: DictConfig, target_dir) -> TargetModel:
+    """The frozen target in ``target.dtype`` (auto: bf16 when the run uses a GPU, else fp32), loaded on the CPU;
+    regeneration and training move it to their device."""
     ids = cfg.target.get("target_layer_ids")
     return TargetModel.from_pretrained(
         str(target_dir),
         target_layer_ids=list(ids) if ids is not None else None,
         num_taps=int(cfg.target.get("num_taps", 5)),
-        dtype="float32",
+        dtype=resolve_target_dtype(cfg.target.get("dtype", "auto"), regeneration_device(cfg)),
     )
 
 
@@ -72,11 +75,12 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
         check_drafter_matches_target(drafter.config, target)
     else:
         drafter = fresh_drafter(config, settings, seed)
+    common = regeneration_settings(cfg, target_dir)
     # Saved with the drafter (and its checkpoints): evaluation draws held-out prompts from this split.
     if data.get("chat") and target.tokenizer is None:
         raise DFlash2Error(f"data=chat needs the target's tokenizer (its chat template); {target_dir} has none")
     chat_template = chat_template_of(data, target.tokenizer) if data.get("chat") else None
-    drafter.config.training_data = training_data_record(data, seed, chat_template)
+    drafter.config.training_data = training_data_record(data, common["seed"], chat_template)
     check_blocks_fit_the_data(drafter.config, int(settings["num_anchors"]), data)
     check_sequences_fit_the_context(data, config.max_position_embeddings)
     resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
@@ -84,16 +88,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
 
     cache_dir = Path(cfg.paths.cache_dir)
     device = regeneration_device(cfg)
-    common = dict(seed=seed, cache_dir=cache_dir, target_id=str(target_dir), device=device)
-    with explain_oom("regeneration of training data by the target", knob_hints(cfg, REGENERATION_KNOBS)):
-        train_ds = trainable_rows(
-            regenerate_split(target, data, split="train", num_prompts=_count(data["num_train_prompts"]), **common),
-            "train",
-        )
-        val_ds = trainable_rows(
-            regenerate_split(target, data, split="validation", num_prompts=_count(data["num_val_prompts"]), **common),
-            "validation",
-        )
+    train_ds, val_ds = regenerate_training_data(cfg, target, common)
     target.model.cpu()
     log.info(
         f"data: {len(train_ds)} train / {len(val_ds)} validation regenerated sequences (cache {cache_dir / 'data'})"
@@ -178,11 +173,54 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     return summary
 
 
+def regeneration_settings(cfg: DictConfig, target_dir) -> dict:
+    """Keyword arguments of ``regenerate_split`` shared by every split. ``data.seed`` (null = the run's seed)
+    picks the prompts and sampling: runs with other training seeds can share one data set (the ablation)."""
+    data_seed = cfg.data.get("seed")
+    return dict(
+        seed=int(cfg.seed if data_seed is None else data_seed),
+        cache_dir=Path(cfg.paths.cache_dir),
+        target_id=str(target_dir),
+        device=regeneration_device(cfg),
+    )
+
+
+def regenerate_training_data(cfg: DictConfig, target: TargetModel, common: dict):
+    """The train and validation splits (from the cache when it has them), filtered to rows with an anchor."""
+    data = plain(cfg.data)
+    with explain_oom("regeneration of training data by the target", knob_hints(cfg, REGENERATION_KNOBS)):
+        train_ds = trainable_rows(
+            regenerate_split(target, data, split="train", num_prompts=_count(data["num_train_prompts"]), **common),
+            "train",
+        )
+        val_ds = trainable_rows(
+            regenerate_split(target, data, split="validation", num_prompts=_count(data["num_val_prompts"]), **common),
+            "validation",
+        )
+    return train_ds, val_ds
+
+
+def prepare_data(cfg: DictConfig, target_dir) -> dict:
+    """task=data: regenerate (or find in the cache) every split a drafter run reads, and train nothing.
+    Run once before parallel runs that share the data, so that they never regenerate it side by side."""
+    target = load_target(cfg, target_dir)
+    data = plain(cfg.data)
+    common = regeneration_settings(cfg, target_dir)
+    train_ds, val_ds = regenerate_training_data(cfg, target, common)
+    with explain_oom("regeneration of the held-out data", knob_hints(cfg, REGENERATION_KNOBS)):
+        heldout_ds = regenerate_split(
+            target, data, split="heldout", num_prompts=_count(data["num_val_prompts"]), **common
+        )
+    sizes = {"train": len(train_ds), "validation": len(val_ds), "heldout": len(heldout_ds), "seed": common["seed"]}
+    log.info(f"data ready: {sizes} (cache {common['cache_dir'] / 'data'})")
+    return sizes
+
+
 def fresh_drafter(config, settings: dict, seed: int) -> DFlashDrafter:
     """A new drafter initialised from the run's seed, with ``drafter.selector_zero_successor_init``
     applied (ARCHITECTURE.md §3.2); a drafter loaded with init_from keeps the codebook it was trained to."""
-    torch.manual_seed(seed)
-    drafter = DFlashDrafter(config)
+    # the seed names the initial weights: the same backbone for every variant (dflash2/drafter/initialisation.py)
+    drafter = DFlashDrafter(config, init_seed=seed)
     if settings.get("selector_zero_successor_init") and drafter.candidate_selector is not None:
         drafter.candidate_selector.zero_successor_()
     return drafter

@@ -11,6 +11,18 @@ These kernels fold each such group into one launch:
   and the K/V cache write of one attention layer;
 * :func:`~dflash2.runtime.kernels.act.silu_mul`: the SwiGLU activation.
 
+The Gated DeltaNet ops live in a folder each (docs/ARCHITECTURE.md §5.5): ``reference.py``
+(the plain-PyTorch twin, also ``GDNState``'s ``mode="reference"``), ``kernel.py`` (the
+Triton kernel + launcher), ``__init__`` (the public function with its shapes):
+
+* :mod:`.gdn_verify`: the outputs of a block of T tokens from the untouched state (conv +
+  SiLU, q/k L2 norm, gates, recurrence fused), logging what a commit needs;
+* :mod:`.gdn_replay`: the commit: fold n[r] logged tokens into row r's state ("exact fold")
+  or, for the native-rollback ablation, copy the state verify stored at n[r]; roll the conv
+  window. ``GDNState(mode="replay" | "native")`` chooses them explicitly, so they do not go
+  through ``use_triton``: on CPU tensors they run in the interpreter or refuse with the fix
+  (:mod:`.triton_util`).
+
 Each public function takes the same tensors on any device and dispatches: CUDA
 tensors (and Triton importable, kernels not switched off) run the Triton kernel,
 anything else the twin. The twins round exactly where the eager HF code rounds

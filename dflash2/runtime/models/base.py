@@ -40,7 +40,8 @@ class RuntimeCausalLM(nn.Module):
     embed (V, d) / lm_head (d -> V) / norm: the embedding, output projection and final norm;
     layer_types: per layer 'full_attention' or 'linear_attention';
     num_kv_heads, head_dim, num_heads: attention shapes (for the KV cache);
-    gdn_dims: kwargs of :class:`GDNState` besides layers/batch/dtype/device, or None.
+    gdn_dims: kwargs of :class:`GDNState` besides layers/batch/dtype/device, or None;
+    gdn_mode: the GDN verify / commit implementation of new states (set by ``load_model`` or by hand).
     """
 
     KEY_MAP = None  # loading.KeyMap, set by each family
@@ -55,6 +56,7 @@ class RuntimeCausalLM(nn.Module):
         self.layer_types: list[str] = [ATTENTION] * self.num_layers
         self.num_heads = self.num_kv_heads = self.head_dim = 0
         self.gdn_dims: dict | None = None
+        self.gdn_mode = "reference"  # GDNState mode of new states: 'reference' | 'replay' | 'native'
 
     # ------------------------------------------------------------------ state
     def slots(self) -> list[int]:
@@ -66,8 +68,11 @@ class RuntimeCausalLM(nn.Module):
             seen[kind] += 1
         return out
 
-    def new_state(self, batch_size: int, max_len: int, device=None) -> DecodeState:
-        """Empty caches for ``batch_size`` rows of up to ``max_len`` positions (prompt + generated + one block)."""
+    def new_state(self, batch_size: int, max_len: int, device=None, gdn_mode: str | None = None) -> DecodeState:
+        """Empty caches for ``batch_size`` rows of up to ``max_len`` positions (prompt + generated + one block).
+
+        gdn_mode: how GDN layers verify / commit (gdn_state.py); default ``self.gdn_mode``.
+        """
         weight = self.embed.weight
         device = weight.device if device is None else device
         n_attn, n_gdn = self.layer_types.count(ATTENTION), self.layer_types.count(GDN)
@@ -83,7 +88,10 @@ class RuntimeCausalLM(nn.Module):
                 dtype=weight.dtype,
                 device=device,
             )
-        gdn = GDNState(n_gdn, batch_size, dtype=weight.dtype, device=device, **self.gdn_dims) if n_gdn else None
+        gdn = None
+        if n_gdn:
+            mode = gdn_mode or self.gdn_mode
+            gdn = GDNState(n_gdn, batch_size, dtype=weight.dtype, device=device, mode=mode, **self.gdn_dims)
         lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         return DecodeState(lengths, kv, gdn)
 

@@ -22,6 +22,7 @@ from dflash2.runtime.cache import KVCache, StepMeta
 from dflash2.runtime.kernels.act import silu_mul
 from dflash2.runtime.kernels.norm import add_rms_norm
 from dflash2.runtime.kernels.rope import qk_norm_rope_write, split_qkv
+from dflash2.text_model import rope_theta
 
 
 def fuse_linears(name: str, owner: nn.Module, *linears: nn.Linear) -> None:
@@ -116,7 +117,7 @@ def rope_inv_freq(text_config, head_dim: int) -> tuple[torch.Tensor, float]:
     """
     params = dict(getattr(text_config, "rope_parameters", None) or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
-    theta = float(params.get("rope_theta", getattr(text_config, "rope_theta", 10000.0)))
+    theta = rope_theta(text_config)  # rope_parameters (transformers 5) or rope_theta; absent: one-line error
     partial = float(params.get("partial_rotary_factor", getattr(text_config, "partial_rotary_factor", 1.0)))
     rot = int(head_dim * partial)
     if rope_type == "default":

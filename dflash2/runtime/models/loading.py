@@ -64,11 +64,13 @@ class KeyMap:
 
 
 def read_text_config(folder: str):
-    """(full HF config, its text config): ``get_text_config()`` unwraps composite configs (Qwen3.5 VL)."""
+    """(full HF config, its text config): ``dflash2.text_model.text_config`` unwraps composite configs (Qwen3.5 VL)."""
     from transformers import AutoConfig
 
+    from dflash2.text_model import text_config
+
     config = AutoConfig.from_pretrained(folder)
-    return config, config.get_text_config()
+    return config, text_config(config)
 
 
 def _weight_files(folder: str) -> list[str]:

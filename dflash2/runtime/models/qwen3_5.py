@@ -11,7 +11,7 @@ Differences from Qwen3 (qwen3.py), all taken from the HF config / checkpoint:
 * attention: q_proj emits [q_h | gate_h] per head, output · sigmoid(gate) before o_proj;
   RoPE on the first ``partial_rotary_factor`` · D dims of each head only (default 1/4);
   text-only positions make Qwen3.5's multimodal RoPE sections all equal, i.e. plain RoPE;
-* GDN layers (gdn_state.py for the state math): in_proj_qkv -> depthwise causal conv
+* GDN layers (gdn_state.py for the state math, its ``mode`` for the kernels): in_proj_qkv -> depthwise causal conv
   (kernel K) + SiLU -> q, k (L2-normed), v; decay g and write strength β from
   in_proj_a / in_proj_b; output RMSNorm gated by silu(in_proj_z), then out_proj.
 
@@ -86,10 +86,8 @@ class GatedDeltaNet(nn.Module):
             qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
         # qkv (N, T, C) is logged pre-conv for the conv-window commit
         z = z.reshape(N, T, self.h, self.dv)
-        beta = torch.sigmoid(b)  # (N, T, H) write strength
-        # log decay, fp32 (in bf16, exp(A_log) · softplus would lose the small decays)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # (N, T, H)
-        o = gdn.verify(slot, qkv, self.conv_weight, g, beta)  # (N, T, H, dv)
+        # decay g and write strength β come from a, b (N, T, H) inside verify (fused in the kernel)
+        o = gdn.verify(slot, qkv, self.conv_weight, a, b, self.A_log, self.dt_bias)  # (N, T, H, dv)
         return self.out_proj(self.norm(o, z).reshape(N, T, self.h * self.dv))
 
 

@@ -1,0 +1,323 @@
+"""Per-GDN-layer cost of verify + rollback: ReplaySSM vs native rollback (docs/ARCHITECTURE.md §5.5).
+
+    python -m dflash2.runtime.bench_gdn --device cuda              # Qwen3.5-9B GDN shape, batch 1 and 64, T=16
+    python -m dflash2.runtime.bench_gdn --device cuda --sweep      # also search the kernels' tile / warp options
+    python -m dflash2.runtime.bench_gdn --device cuda --out g.json # results as JSON too
+
+What one speculative step does to the GDN layers, on a :class:`~dflash2.runtime.gdn_state.GDNState`
+with every GDN layer of the shape (24 layers of ``Qwen3_5TextConfig()`` defaults: 16 key heads,
+32 value heads, d_k = d_v = 128, conv kernel 4, bf16 projections, fp32 state): verify a block
+of T tokens in every layer (conv + SiLU, L2 norms, gates, recurrence, outputs, logs), then
+commit n tokens per row. All layers have their own state and inputs, so a batch-1 step does
+not run from L2 the way one layer repeated would. On CUDA each phase is captured as a CUDA
+graph (kernel time without Python launch overhead; ``--eager`` times plain calls), timed with
+events over ``--iters`` replays, and divided by the layer count. n = T (every draft accepted)
+unless ``--accepted`` says otherwise: the most a fold does; native's copy costs the same for any n.
+
+Reported per (batch, mode): µs per GDN layer for verify, commit and both; speculative-state
+bytes per request (what the step keeps between verify and commit: ReplaySSM's k/u/g logs,
+native's T full states, and both modes' T pre-conv inputs for the conv window), and the
+committed state per request for scale. The issue's targets (24 µs per layer at batch 1, native
+÷ replay ≥ 1.5× at batch 1 and ≥ 2× at batch 64, ≥ 20× less speculative state) are printed with
+the numbers. ``device=cpu`` runs the same code through Triton's interpreter (a smoke test with
+tiny shapes, ``--tiny``; its times mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from dflash2.runtime.gdn_state import GDNState
+
+MiB = 2**20
+
+
+@dataclass
+class GDNShape:
+    num_layers: int
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+    @classmethod
+    def qwen3_5_9b(cls) -> GDNShape:
+        """The GDN layers of ``transformers.Qwen3_5TextConfig()`` (its defaults are the 9B model)."""
+        from transformers import Qwen3_5TextConfig
+
+        c = Qwen3_5TextConfig()
+        return cls(
+            num_layers=list(c.layer_types).count("linear_attention"),
+            num_k_heads=c.linear_num_key_heads,
+            num_v_heads=c.linear_num_value_heads,
+            head_k_dim=c.linear_key_head_dim,
+            head_v_dim=c.linear_value_head_dim,
+            conv_kernel=c.linear_conv_kernel_dim,
+        )
+
+    @classmethod
+    def tiny(cls) -> GDNShape:
+        """For the CPU smoke test: odd, small, GQA-style."""
+        return cls(num_layers=2, num_k_heads=1, num_v_heads=2, head_k_dim=5, head_v_dim=3, conv_kernel=4)
+
+
+def spec_bytes(shape: GDNShape, T: int, mode: str, x_itemsize: int = 2) -> int:
+    """Speculative-state bytes per request over all GDN layers, from the shapes (what GDNLog holds):
+    ReplaySSM k (T, Hk, d_k) + u (T, H, d_v) + g (T, H) fp32, native T states (H, d_k, d_v) fp32;
+    both keep x (T, C) in the model dtype for the conv window."""
+    hk, h, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim
+    fp32 = T * h * dk * dv if mode == "native" else T * (hk * dk + h * dv + h)
+    return shape.num_layers * (4 * fp32 + x_itemsize * T * shape.conv_dim)
+
+
+def _size(b: float) -> str:
+    return f"{b / MiB:.2f} MiB" if b >= MiB else f"{b / 1024:.1f} KiB"
+
+
+@dataclass
+class Row:
+    batch: int
+    mode: str
+    verify_us: float  # per GDN layer
+    commit_us: float
+    total_us: float
+    spec_bytes_per_request: int  # all GDN layers
+    state_bytes_per_request: int  # the committed conv + recurrent state, all GDN layers
+    kernel_options: dict
+
+
+def _layer_inputs(shape: GDNShape, N: int, T: int, dtype, device, seed: int = 0) -> list[tuple]:
+    """Per GDN layer: (x (N, T, C), conv_weight (C, 1, K), a, b (N, T, H), A_log, dt_bias (H,))."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*s, scale=1.0):
+        return (scale * torch.randn(*s, generator=g)).to(device=device, dtype=dtype)
+
+    H, C, K = shape.num_v_heads, shape.conv_dim, shape.conv_kernel
+    return [
+        (rnd(N, T, C), rnd(C, 1, K, scale=0.5), rnd(N, T, H), rnd(N, T, H), rnd(H, scale=0.5), rnd(H))
+        for _ in range(shape.num_layers)
+    ]
+
+
+def _new_state(shape: GDNShape, N: int, mode: str, dtype, device, kernel_options) -> GDNState:
+    s = GDNState(
+        shape.num_layers,
+        N,
+        conv_dim=shape.conv_dim,
+        conv_kernel=shape.conv_kernel,
+        num_k_heads=shape.num_k_heads,
+        num_v_heads=shape.num_v_heads,
+        head_k_dim=shape.head_k_dim,
+        head_v_dim=shape.head_v_dim,
+        dtype=dtype,
+        device=device,
+        mode=mode,
+        kernel_options=kernel_options,
+    )
+    s.rec.normal_(0.0, 0.1)  # a state with history (values do not change the cost)
+    s.conv.normal_()
+    return s
+
+
+def _verify_all(state: GDNState, inputs) -> None:
+    for slot, args in enumerate(inputs):
+        state.verify(slot, *args)
+
+
+def measure(
+    shape: GDNShape,
+    N: int,
+    T: int,
+    mode: str,
+    *,
+    accepted: int | None = None,
+    dtype=torch.bfloat16,
+    device="cuda",
+    iters: int = 50,
+    warmup: int = 3,
+    graphs: bool = True,
+    kernel_options: dict | None = None,
+) -> Row:
+    """Time verify of every GDN layer + one commit of ``accepted`` (default T) tokens per row."""
+    device = torch.device(device)
+    state = _new_state(shape, N, mode, dtype, device, kernel_options)
+    inputs = _layer_inputs(shape, N, T, dtype, device)
+    n = torch.full((N,), T if accepted is None else accepted, dtype=torch.long, device=device)
+    cuda = device.type == "cuda"
+    if cuda:  # compile / warm up outside any capture, on a side stream as graph capture wants
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                _verify_all(state, inputs)
+                state.commit(n)
+        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.synchronize(device)
+    else:
+        for _ in range(warmup):
+            _verify_all(state, inputs)
+            state.commit(n)
+    _verify_all(state, inputs)
+    spec_bytes = state.log_bytes() // N
+    state.commit(n)
+    state_bytes = (state.rec[:, 0].numel() * state.rec.element_size()) + (
+        state.conv[:, 0].numel() * state.conv.element_size()
+    )
+    if cuda and graphs:
+        torch.cuda.empty_cache()  # the eager runs' cached logs cannot serve the graphs' private pool
+        g_verify, g_commit = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g_verify):
+            _verify_all(state, inputs)
+        logs = list(state.logs)  # the capture's log tensors: every replay of g_verify refills them
+        with torch.cuda.graph(g_commit, pool=g_verify.pool()):
+            state.commit(n)
+
+        def run_verify():
+            g_verify.replay()
+
+        def run_commit():
+            g_commit.replay()
+
+    else:
+
+        def run_verify():
+            _verify_all(state, inputs)
+
+        def run_commit():
+            state.commit(n)
+
+        logs = None
+    t_verify = t_commit = 0.0
+    for _ in range(iters):
+        if cuda:
+            e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            e0.record()
+            run_verify()
+            e1.record()
+            run_commit()
+            e2.record()
+            e2.synchronize()
+            t_verify += e0.elapsed_time(e1) * 1e3  # ms -> µs
+            t_commit += e1.elapsed_time(e2) * 1e3
+        else:
+            t0 = time.perf_counter()
+            run_verify()
+            t1 = time.perf_counter()
+            run_commit()
+            t_verify += (t1 - t0) * 1e6
+            t_commit += (time.perf_counter() - t1) * 1e6
+    del logs
+    per = iters * shape.num_layers
+    return Row(
+        batch=N,
+        mode=mode,
+        verify_us=t_verify / per,
+        commit_us=t_commit / per,
+        total_us=(t_verify + t_commit) / per,
+        spec_bytes_per_request=spec_bytes,
+        state_bytes_per_request=state_bytes,
+        kernel_options=dict(kernel_options or {}),
+    )
+
+
+SWEEP = dict(block_v=(8, 16, 32, 64), num_warps=(1, 2, 4, 8), block_t=(8, 16))
+
+
+def best_options(shape, N, T, mode, **kw) -> Row:
+    """The fastest verify + commit over the SWEEP grid (options a kernel cannot compile are skipped)."""
+    best = None
+    for bv, warps, bt in itertools.product(*SWEEP.values()):
+        if bv > shape.head_v_dim * 2:
+            continue
+        try:
+            row = measure(shape, N, T, mode, kernel_options=dict(block_v=bv, num_warps=warps, block_t=bt), **kw)
+        except Exception as e:  # out of resources for this tile: not a candidate
+            print(f"  skip block_v={bv} num_warps={warps} block_t={bt}: {type(e).__name__}")
+            continue
+        if best is None or row.total_us < best.total_us:
+            best = row
+    return best
+
+
+def report(rows: list[Row], T: int) -> str:
+    """Markdown table + the issue's targets, checked where the rows allow."""
+    lines = [
+        f"GDN verify + commit per layer, block T = {T}",
+        "",
+        "| batch | mode | verify µs | commit µs | total µs | spec state / request | committed / request | options |",
+        "|---:|---|---:|---:|---:|---:|---:|---|",
+    ]
+    lines += [
+        f"| {r.batch} | {r.mode} | {r.verify_us:.1f} | {r.commit_us:.1f} | {r.total_us:.1f} "
+        f"| {_size(r.spec_bytes_per_request)} | {_size(r.state_bytes_per_request)} "
+        f"| {r.kernel_options or 'default'} |"
+        for r in rows
+    ]
+    by = {(r.batch, r.mode): r for r in rows}
+    lines.append("")
+    for N in sorted({r.batch for r in rows}):
+        rep, nat = by.get((N, "replay")), by.get((N, "native"))
+        if rep and nat:
+            target = {1: " (target ≥ 1.5×)", 64: " (target ≥ 2×)"}.get(N, "")
+            lines.append(
+                f"batch {N}: native ÷ replay time {nat.total_us / rep.total_us:.2f}×{target}, speculative state "
+                f"native ÷ replay {nat.spec_bytes_per_request / rep.spec_bytes_per_request:.1f}× (target ≥ 20×)"
+            )
+        if rep and N == 1:
+            lines.append(f"batch 1: replay {rep.total_us:.1f} µs per GDN layer (target ≤ 24 µs)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[Row]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--block", type=int, default=16, help="T, tokens verified per row")
+    p.add_argument("--accepted", type=int, default=None, help="n committed per row (default T)")
+    p.add_argument("--modes", nargs="+", default=["replay", "native"], choices=["replay", "native", "reference"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--eager", action="store_true", help="time plain calls instead of CUDA-graph replays")
+    p.add_argument("--sweep", action="store_true", help="search block_v / num_warps / block_t per batch and mode")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument("--out", default=None, help="also write the rows as JSON here")
+    args = p.parse_args(argv)
+    shape = GDNShape.tiny() if args.tiny else GDNShape.qwen3_5_9b()
+    kw = dict(
+        accepted=args.accepted,
+        dtype=getattr(torch, args.dtype),
+        device=args.device,
+        iters=args.iters,
+        warmup=args.warmup,
+        graphs=not args.eager,
+    )
+    print(f"shape {asdict(shape)}, device {args.device}, dtype {args.dtype}")
+    rows = []
+    for N, mode in itertools.product(args.batch, args.modes):
+        sweep = args.sweep and mode != "reference"
+        run = best_options if sweep else measure
+        rows.append(run(shape, N, args.block, mode, **kw))
+        if args.device != "cpu":
+            torch.cuda.empty_cache()  # native at batch 64 holds tens of GiB of per-position states
+    print(report(rows, args.block))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(shape=asdict(shape), block=args.block, rows=[asdict(r) for r in rows]), f, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""What a GDN verify keeps for the commit (docs/ARCHITECTURE.md §5.3, §5.5).
+
+One :class:`GDNLog` per GDN layer and verify, consumed by the commit of the same step.
+ReplaySSM logs (k, u, g): u_t = β_t (v_t − h_{t−1}ᵀ k_t) already holds the delta-rule
+correction, so folding n tokens needs no hᵀk and no v. The native-rollback ablation
+instead keeps the full state after every position. Both keep the T pre-conv inputs x,
+from which the commit builds the new conv window.
+
+Shapes: N rows, T block tokens, C conv channels, Hk key heads, H value heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class GDNLog:
+    """x: (N, T, C) pre-conv inputs (model dtype), always kept.
+
+    ReplaySSM (``states is None``): k (N, T, Hk, d_k) fp32 L2-normed keys, one per *key* head
+    (value head h reads key head h // (H / Hk)); u (N, T, H, d_v) fp32; g (N, T, H) fp32 log decays.
+    Native rollback: states (N, T, H, d_k, d_v) fp32, the recurrent state after each position;
+    k / u / g are None.
+    """
+
+    x: torch.Tensor
+    k: torch.Tensor | None = None
+    u: torch.Tensor | None = None
+    g: torch.Tensor | None = None
+    states: torch.Tensor | None = None
+
+    @property
+    def native(self) -> bool:
+        return self.states is not None
+
+    def nbytes(self) -> int:
+        """Speculative-state bytes this log holds (what a step keeps per layer until the commit)."""
+        return sum(t.numel() * t.element_size() for t in (self.x, self.k, self.u, self.g, self.states) if t is not None)
+
+
+def new_log(
+    x: torch.Tensor,
+    *,
+    num_k_heads: int,
+    num_v_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    native: bool,
+    alloc=torch.empty,
+) -> GDNLog:
+    """A log around x (N, T, C) with fresh fp32 tensors in the layout of the mode (native: the states).
+
+    alloc: torch.empty for a verify's outputs, torch.zeros for reserved (CUDA-graph) logs.
+    """
+    N, T = x.shape[:2]
+    f32 = dict(dtype=torch.float32, device=x.device)
+    H = num_v_heads
+    if native:
+        return GDNLog(x=x, states=alloc(N, T, H, head_k_dim, head_v_dim, **f32))
+    k = alloc(N, T, num_k_heads, head_k_dim, **f32)
+    return GDNLog(x=x, k=k, u=alloc(N, T, H, head_v_dim, **f32), g=alloc(N, T, H, **f32))

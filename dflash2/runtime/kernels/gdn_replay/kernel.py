@@ -1,0 +1,130 @@
+"""Triton GDN commit kernel and its launcher (twin: reference.py; public function: __init__.py).
+
+Grid (d_v / BV, N·H), the verify kernel's layout: each program owns the (d_k × BV) tile of
+row n, value head h of the recurrent state, which it updates in place, and 1/(NV·H) of the
+row's conv channels, whose window it rolls in place (every program reads only what it
+writes, so in-place is race-free). Rows with n = 0 return at once.
+
+ReplaySSM folds the n logged tokens: h ← exp(g_t)·h; h ← h + k_t u_tᵀ, the verify kernel's
+two state updates on the same fp32 values. Both kernels are compiled without FMA
+contraction (``enable_fp_fusion=False``): otherwise the compiler may fuse differently
+where verify also reads the decayed state and replay does not, and the fold would drift
+by an ulp from what verify / decoding computed. Native rollback copies the state verify
+stored after token n.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gdn_replay_kernel(
+    rec,  # (N, H, DK, DV) fp32 recurrent state, updated in place; (H, DK, DV) contiguous
+    conv,  # (N, C, KW-1) conv window, updated in place
+    x,  # (N, T, C) the verify's pre-conv inputs
+    log_k,  # (N, T, HK, DK) fp32 (ReplaySSM)
+    log_u,  # (N, T, H, DV) fp32 (ReplaySSM)
+    log_g,  # (N, T, H) fp32 (ReplaySSM)
+    states,  # (N, T, H, DK, DV) fp32 (native rollback)
+    n_acc,  # (N,) tokens to commit per row, 0..T
+    T,
+    C,
+    stride_rn,
+    stride_cn,
+    stride_cc,
+    stride_xn,
+    stride_xt,
+    HK: tl.constexpr,
+    H: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    KW: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BC: tl.constexpr,
+    BW: tl.constexpr,
+    NATIVE: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = (i_nh // H).to(tl.int64)
+    i_h = i_nh % H
+    i_hk = i_h // (H // HK)
+    n = tl.load(n_acc + i_n).to(tl.int32)
+    if n > 0:
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < DK
+        m_v = o_v < DV
+        m_h = m_k[:, None] & m_v[None, :]
+        p_rec = rec + i_n * stride_rn + i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
+        if NATIVE:
+            p_s = states + (((i_n * T + n - 1) * H + i_h) * DK + o_k[:, None]) * DV + o_v[None, :]
+            h = tl.load(p_s, mask=m_h, other=0.0)
+        else:
+            h = tl.load(p_rec, mask=m_h, other=0.0)
+            for t in range(0, n):
+                tok = i_n * T + t
+                g_t = tl.load(log_g + tok * H + i_h)
+                k_t = tl.load(log_k + (tok * HK + i_hk) * DK + o_k, mask=m_k, other=0.0)
+                u_t = tl.load(log_u + (tok * H + i_h) * DV + o_v, mask=m_v, other=0.0)
+                h = h * tl.exp(g_t)
+                h = h + k_t[:, None] * u_t[None, :]
+        tl.store(p_rec, h, mask=m_h)
+        # conv window: new column j = column n + j of [old window (KW-1) | x_0 .. x_{T-1}]
+        o_c = (i_v * H + i_h) * BC + tl.arange(0, BC)
+        m_c = o_c < C
+        o_w = tl.arange(0, BW)
+        src = n + o_w
+        in_window = src < KW - 1
+        m_w = o_w < KW - 1
+        conv_row = conv + i_n * stride_cn
+        old = tl.load(
+            conv_row + o_c[:, None] * stride_cc + src[None, :],
+            mask=m_c[:, None] & (m_w & in_window)[None, :],
+            other=0.0,
+        )
+        new = tl.load(
+            x + i_n * stride_xn + (src - (KW - 1))[None, :] * stride_xt + o_c[:, None],
+            mask=m_c[:, None] & (m_w & ~in_window)[None, :],
+            other=0.0,
+        )
+        window = tl.where(in_window[None, :], old, new.to(old.dtype))
+        tl.store(conv_row + o_c[:, None] * stride_cc + o_w[None, :], window, mask=m_c[:, None] & m_w[None, :])
+
+
+def launch_replay(conv_state, rec_state, x, log_k, log_u, log_g, states, n, *, num_k_heads, native, block_v, num_warps):
+    """Grid (d_v / BV, N·H); tensors as in gdn_replay_kernel; the other mode's logs may be any tensor."""
+    N, T, C = x.shape
+    H, DK, DV = rec_state.shape[1:]
+    KW = conv_state.shape[-1] + 1
+    nv = triton.cdiv(DV, block_v)
+    gdn_replay_kernel[(nv, N * H)](
+        rec_state,
+        conv_state,
+        x,
+        log_k,
+        log_u,
+        log_g,
+        states,
+        n,
+        T,
+        C,
+        rec_state.stride(0),
+        conv_state.stride(0),
+        conv_state.stride(1),
+        x.stride(0),
+        x.stride(1),
+        HK=num_k_heads,
+        H=H,
+        DK=DK,
+        DV=DV,
+        KW=KW,
+        BK=triton.next_power_of_2(DK),
+        BV=block_v,
+        BC=triton.next_power_of_2(triton.cdiv(C, nv * H)),  # each of a row's NV·H programs rolls BC channels
+        BW=triton.next_power_of_2(max(KW - 1, 1)),
+        NATIVE=native,
+        num_warps=num_warps,
+        enable_fp_fusion=False,
+    )

@@ -1,0 +1,100 @@
+"""GDN verify: T block outputs per row from the untouched state, logging what the commit needs.
+
+:func:`gdn_verify_triton` (Triton, kernel.py) and its plain-PyTorch twin
+:func:`~.reference.gdn_verify_reference` take the same arguments and return the same
+(o, GDNLog). docs/ARCHITECTURE.md §5.5.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash2.runtime.kernels.gdn_log import GDNLog, new_log
+
+
+def gdn_verify_triton(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    conv_weight: torch.Tensor,
+    rec_state: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    num_k_heads: int,
+    *,
+    native: bool = False,
+    out: GDNLog | None = None,
+    block_v: int | None = None,
+    block_t: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, GDNLog]:
+    """Outputs of the T block tokens of every row from the untouched states, plus the commit log.
+
+    x (N, T, C) pre-conv q|k|v projections (model dtype), C = 2·Hk·d_k + H·d_v;
+    conv_state (N, C, K-1) model dtype; conv_weight (C, 1, K); rec_state (N, H, d_k, d_v) fp32;
+    a, b (N, T, H) the in_proj_a / in_proj_b outputs; A_log, dt_bias (H,); num_k_heads Hk.
+    Both states are only read. Returns o (N, T, H, d_v) in x's dtype and a :class:`GDNLog`:
+    ReplaySSM k (N, T, Hk, d_k), u (N, T, H, d_v), g (N, T, H) fp32; native: states
+    (N, T, H, d_k, d_v) fp32. The log keeps x itself (no copy), or, with ``out`` (a log of that
+    layout, e.g. GDNState's reserved one for CUDA graphs), is written there, x copied in.
+    block_v / block_t / num_warps: tile width over d_v, tokens per chunk, warps per program (tuning knobs).
+    """
+    N, T, C = x.shape
+    H, dk, dv = rec_state.shape[1:]
+    K = conv_weight.shape[-1]
+    if H % num_k_heads or 2 * num_k_heads * dk + H * dv != C:
+        raise ValueError(f"x has {C} channels; expected 2·{num_k_heads}·{dk} + {H}·{dv} with Hk dividing H")
+    if conv_state.shape != (N, C, K - 1) or a.shape != (N, T, H) or b.shape != (N, T, H):
+        raise ValueError(f"shapes: conv_state {tuple(conv_state.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}")
+    if rec_state.dtype != torch.float32:
+        raise ValueError(f"the recurrent state must be fp32, got {rec_state.dtype}")
+    # the kernel indexes channels, conv columns and (H, d_k, d_v) as contiguous
+    x, a, b = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, a, b))
+    if conv_state.stride(-1) != 1 or rec_state[0].stride() != (dk * dv, dv, 1):
+        raise ValueError("conv_state needs contiguous columns and rec_state contiguous (H, d_k, d_v) per row")
+    import triton  # here, not at import: the twins and GDNState's reference mode need no Triton
+
+    from dflash2.runtime.kernels.gdn_verify.kernel import launch_verify
+    from dflash2.runtime.kernels.triton_util import check_device, default_warps
+
+    check_device(x, rec_state)
+    o = torch.empty(N, T, H, dv, dtype=x.dtype, device=x.device)
+    if out is None:
+        dims = dict(num_k_heads=num_k_heads, num_v_heads=H, head_k_dim=dk, head_v_dim=dv)
+        log = new_log(x, **dims, native=native)
+    else:
+        log = out
+        log.x.copy_(x)
+    if log.native != native:
+        raise ValueError(f"out is a {'native' if log.native else 'ReplaySSM'} log; this verify writes the other")
+    # the other mode's outputs are never touched: any tensor will do
+    k, u, g = (log.states,) * 3 if native else (log.k, log.u, log.g)
+    states = log.states if native else log.u
+    if T == 0 or N == 0:
+        return o, log
+    bk, bv = triton.next_power_of_2(dk), block_v or min(triton.next_power_of_2(dv), 16)
+    bt = block_t or min(triton.next_power_of_2(T), 16)
+    # registers: the state tile, the q/k tiles of a chunk, its v / output / u tiles
+    warps = num_warps or default_warps(bk * bv + 2 * bt * bk + 3 * bt * bv)
+    launch_verify(
+        x,
+        conv_state,
+        conv_weight.reshape(C, K).contiguous(),
+        rec_state,
+        a,
+        b,
+        A_log.contiguous(),
+        dt_bias.contiguous(),
+        o,
+        k,
+        u,
+        g,
+        states,
+        num_k_heads=num_k_heads,
+        native=native,
+        block_v=bv,
+        block_t=bt,
+        num_warps=warps,
+    )
+    return o, log

@@ -1,0 +1,258 @@
+"""The ReplaySSM Triton kernels (dflash2/runtime/kernels/gdn_verify, gdn_replay) against their twins.
+
+On random inputs with odd head dims, GQA-style heads (Hk < H) and equal heads, T = 1..16,
+several value-dim slices per head and several token chunks per block (the kernels'
+tiling), ragged n = 0..T across a batch:
+
+* verify == the plain-PyTorch twin (outputs, ReplaySSM logs k / u / g, native per-position
+  states) to fp32 rounding, and it writes neither state;
+* commit == the twin; the conv window is a copy of inputs, so exactly equal;
+* the exact fold: verify(T) + commit(n) leaves bit for bit the state that n single-token
+  steps through the same kernels leave (verify(1) + commit(1)), and the u that the block
+  verify logs is bit for bit what those single-token steps compute; native == replay;
+* the pitfalls: n = 0 leaves a row untouched, n = 1 (no draft accepted: the one corrected
+  token) commits exactly one token, n = T commits all of them;
+* bf16 inputs with an fp32 state.
+
+CPU cases run in Triton's interpreter (tests/conftest.py turns it on without a GPU); the
+same cases run compiled on the GPU, marked ``cuda``.
+"""
+
+import pytest
+import torch
+
+from dflash2.runtime.gdn_state import GDNState
+from dflash2.runtime.kernels.gdn_replay import gdn_replay_triton
+from dflash2.runtime.kernels.gdn_replay.reference import gdn_replay
+from dflash2.runtime.kernels.gdn_verify import gdn_verify_triton
+from dflash2.runtime.kernels.gdn_verify.reference import gdn_verify_reference
+from dflash2.runtime.kernels.triton_util import interpreting
+
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not interpreting(), reason="CPU tensors need TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=pytest.mark.cuda),
+]
+K = 4  # conv kernel, as every Qwen3.5 / Qwen3-Next config
+GQA = (2, 4, 5, 7)  # Hk, H, d_k, d_v: 2 key heads serve 4 value heads, odd head dims
+# fp32 rounding of a T ≤ 16 recurrence on O(1) values: errors seen are ~3e-7
+F32 = dict(rtol=1e-5, atol=2e-6)
+
+
+def make_case(N, T, heads=GQA, dtype=torch.float32, device="cpu", seed=0) -> dict:
+    """Random verify inputs; a spans softplus's threshold (a + dt_bias > 20) and tiny decays."""
+    hk, h, dk, dv = heads
+    C = 2 * hk * dk + h * dv
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0, dt=dtype):
+        return (scale * torch.randn(*shape, generator=gen)).to(device=device, dtype=dt)
+
+    return dict(
+        x=rnd(N, T, C),
+        conv_state=rnd(N, C, K - 1),
+        conv_weight=rnd(C, 1, K, scale=0.5),
+        rec_state=rnd(N, h, dk, dv, scale=0.3, dt=torch.float32),
+        a=rnd(N, T, h, scale=8.0),
+        b=rnd(N, T, h, scale=2.0),
+        A_log=rnd(h, scale=0.5),
+        dt_bias=rnd(h),
+        num_k_heads=hk,
+    )
+
+
+def _ragged_n(N, T, seed=0):
+    """n per row in 0..T with 0 and T always present."""
+    n = torch.randint(0, T + 1, (N,), generator=torch.Generator().manual_seed(seed))
+    n[0], n[-1] = 0, T
+    return n
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("native", [False, True], ids=["replayssm", "native"])
+@pytest.mark.parametrize(
+    "T, heads, tiles",
+    [
+        (1, GQA, {}),  # AR decode
+        (5, GQA, dict(block_v=4, block_t=2)),  # 2 value slices per head, 3 chunks (the last one short)
+        (16, (3, 3, 9, 5), {}),  # block 16, one key head per value head
+        (16, GQA, dict(block_v=4, block_t=4)),
+    ],
+)
+def test_verify_kernel_matches_reference(device, native, T, heads, tiles):
+    case = make_case(3 if T < 16 else 2, T, heads, device=device, seed=T)
+    before = (case["conv_state"].clone(), case["rec_state"].clone())
+    o, log = gdn_verify_triton(**case, native=native, **tiles)
+    o_ref, log_ref = gdn_verify_reference(**case, native=native)
+    torch.testing.assert_close(o, o_ref, **F32)
+    assert log.x is case["x"] and log.native == native
+    names = ("states",) if native else ("k", "u", "g")
+    for name in names:
+        torch.testing.assert_close(getattr(log, name), getattr(log_ref, name), **F32, msg=name)
+    # verify only reads the states
+    assert torch.equal(case["conv_state"], before[0]) and torch.equal(case["rec_state"], before[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("native", [False, True], ids=["replayssm", "native"])
+@pytest.mark.parametrize("T, tiles", [(1, {}), (7, dict(block_v=4)), (16, {})])
+def test_replay_kernel_matches_reference(device, native, T, tiles):
+    N = 4
+    case = make_case(N, T, device=device, seed=10 + T)
+    _, log = gdn_verify_triton(**case, native=native)
+    n = _ragged_n(N, T, seed=T).to(device)
+    conv_ref, rec_ref = gdn_replay(case["conv_state"], case["rec_state"], log, n)
+    conv, rec = case["conv_state"].clone(), case["rec_state"].clone()
+    gdn_replay_triton(conv, rec, log, n, **tiles)
+    torch.testing.assert_close(rec, rec_ref, **F32)
+    torch.testing.assert_close(conv, conv_ref, rtol=0, atol=0)  # a copy of inputs: exact
+    # n = 0 (row 0): untouched, bit for bit
+    assert torch.equal(rec[0], case["rec_state"][0]) and torch.equal(conv[0], case["conv_state"][0])
+
+
+def _gdn_state(case, mode) -> GDNState:
+    N, hk = case["x"].shape[0], case["num_k_heads"]
+    h, dk, dv = case["rec_state"].shape[1:]
+    s = GDNState(
+        1,
+        N,
+        conv_dim=case["x"].shape[-1],
+        conv_kernel=K,
+        num_k_heads=hk,
+        num_v_heads=h,
+        head_k_dim=dk,
+        head_v_dim=dv,
+        dtype=case["x"].dtype,
+        device=case["x"].device,
+        mode=mode,
+    )
+    s.conv[0].copy_(case["conv_state"])
+    s.rec[0].copy_(case["rec_state"])
+    return s
+
+
+def _inputs(case, t=None):
+    """GDNState.verify's arguments after the slot: the whole block, or block token t alone."""
+    sl = slice(None) if t is None else slice(t, t + 1)
+    return case["x"][:, sl], case["conv_weight"], case["a"][:, sl], case["b"][:, sl], case["A_log"], case["dt_bias"]
+
+
+def _decode(case, mode):
+    """Single-token decoding of the whole block: verify(1) + commit(1) per token.
+
+    Returns the states after t = 0..T tokens, conv (T+1, N, C, K-1) and rec (T+1, N, H, d_k, d_v),
+    and the u each step logged (N, T, H, d_v) (None for the reference / native logs)."""
+    s = _gdn_state(case, mode)
+    N, T = case["x"].shape[:2]
+    convs, recs, us = [s.conv[0].clone()], [s.rec[0].clone()], []
+    for t in range(T):
+        s.verify(0, *_inputs(case, t))
+        us.append(s.logs[0].u)
+        s.commit(torch.ones(N, dtype=torch.long, device=s.rec.device))
+        convs.append(s.conv[0].clone())
+        recs.append(s.rec[0].clone())
+    return torch.stack(convs), torch.stack(recs), (torch.cat(us, dim=1) if mode == "replay" else None)
+
+
+def _after(steps: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Row r of the state after n[r] tokens: steps (T+1, N, ...) -> (N, ...)."""
+    return steps[n, torch.arange(n.shape[0], device=n.device)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("T", [4, 9])
+def test_exact_fold_equals_single_token_decoding(device, T):
+    """ReplaySSM and native commits == decoding row r's n[r] tokens one at a time, for a ragged n with
+    the pitfalls in it: n = 0 (row untouched), n = 1 (no draft accepted: the corrected token alone,
+    exactly one token), n = T (full acceptance)."""
+    N = 4
+    case = make_case(N, T, device=device, seed=20 + T)
+    n = torch.tensor([0, 1, T // 2, T], device=device)
+    conv_steps, rec_steps, u_steps = _decode(case, "replay")
+    conv_ref, rec_ref, _ = _decode(case, "reference")
+    for mode in ("replay", "native"):
+        s = _gdn_state(case, mode)
+        s.verify(0, *_inputs(case))
+        if mode == "replay":
+            # u_t depends on the state after the block's earlier tokens; verify's sequential walk
+            # gives bit for bit what single-token decoding computes
+            assert torch.equal(s.logs[0].u, u_steps)
+        s.commit(n)
+        assert torch.equal(s.rec[0], _after(rec_steps, n)), mode  # the exact fold: bit for bit
+        assert torch.equal(s.conv[0], _after(conv_steps, n)), mode
+        torch.testing.assert_close(s.rec[0], _after(rec_ref, n), **F32)  # plain-PyTorch decoding
+        torch.testing.assert_close(s.conv[0], _after(conv_ref, n), rtol=0, atol=0)
+    # each n commits a different state: one token is not zero and not two
+    assert not torch.equal(rec_steps[1], rec_steps[0]) and not torch.equal(rec_steps[1], rec_steps[2])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reserved_logs_keep_their_addresses(device):
+    """After reserve(T), every mode's T-token verify writes its log into the reserved tensors (what
+    captured verify and commit graphs share) and the commit through use_static(T) is unchanged."""
+    T, N = 3, 2
+    case = make_case(N, T, device=device, seed=50)
+    n = torch.tensor([1, T], device=device)
+    for mode in ("reference", "replay", "native"):
+        plain, fixed = _gdn_state(case, mode), _gdn_state(case, mode)
+        fixed.reserve(T)
+        reserved = fixed._static[T][0]
+        ptrs = [t.data_ptr() for t in vars(reserved).values() if t is not None]
+        o_plain = plain.verify(0, *_inputs(case))
+        o_fixed = fixed.verify(0, *_inputs(case))
+        assert [t.data_ptr() for t in vars(fixed.logs[0]).values() if t is not None] == ptrs, mode
+        assert reserved.native == (mode == "native")
+        fixed.logs = [None]  # as a graph replay leaves them: the commit must find the reserved ones
+        fixed.use_static(T)
+        plain.commit(n)
+        fixed.commit(n)
+        assert torch.equal(o_plain, o_fixed) and torch.equal(plain.rec, fixed.rec), mode
+        assert torch.equal(plain.conv, fixed.conv), mode
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("native", [False, True], ids=["replayssm", "native"])
+def test_bf16_inputs_fp32_state(device, native):
+    """bf16 projections / conv window / outputs with the fp32 state, as a bf16 model runs.
+
+    The kernel rounds where the twin rounds (conv output, SiLU, β to bf16; o at the end), but the
+    fp32 sums inside differ in order, so a bf16 rounding step can flip by one ulp (2^-8 relative)
+    and move what follows: outputs within a few bf16 ulps, logs and states within bf16-level error.
+    """
+    T, N = 8, 3
+    case = make_case(N, T, dtype=torch.bfloat16, device=device, seed=40)
+    o, log = gdn_verify_triton(**case, native=native)
+    o_ref, log_ref = gdn_verify_reference(**case, native=native)
+    assert o.dtype == torch.bfloat16 and log.x.dtype == torch.bfloat16
+    bf16 = dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(o, o_ref, **bf16)
+    for name in ("states",) if native else ("k", "u", "g"):
+        assert getattr(log, name).dtype == torch.float32
+        torch.testing.assert_close(getattr(log, name), getattr(log_ref, name), **bf16, msg=name)
+    n = _ragged_n(N, T).to(device)
+    conv, rec = case["conv_state"].clone(), case["rec_state"].clone()
+    gdn_replay_triton(conv, rec, log, n)
+    conv_ref, rec_ref = gdn_replay(case["conv_state"], case["rec_state"], log, n)  # same log: tight
+    torch.testing.assert_close(rec, rec_ref, **F32)
+    torch.testing.assert_close(conv, conv_ref, rtol=0, atol=0)
+
+
+def test_cpu_without_the_interpreter_names_the_fix():
+    """In a process that imported triton without TRITON_INTERPRET, a Triton mode on CPU tensors fails
+    with the fix in the message (instead of Triton's own error about pointers)."""
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    code = (
+        "import torch\n"
+        "from test_runtime_gdn_kernels import make_case\n"
+        "from dflash2.runtime.kernels.gdn_verify import gdn_verify_triton\n"
+        "try:\n"
+        "    gdn_verify_triton(**make_case(1, 2))\n"
+        "except RuntimeError as e:\n"
+        "    print(e)\n"
+    )
+    env = {k: v for k, v in subprocess_env().items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "TRITON_INTERPRET=1" in out.stdout, out.stderr[-2000:]

@@ -1,0 +1,89 @@
+"""The runtime's engine with the Triton GDN modes (ReplaySSM and native rollback) on a hybrid target.
+
+Speculative decoding of the random Qwen3.5 hybrid (3 GDN : 1 attention, 2 key heads for 4
+value heads) with ``gdn_mode="replay"`` and ``"native"`` must emit HF's greedy tokens
+token for token: a scripted row that accepts every draft (each step commits B tokens)
+beside one that accepts a random count, none included (that step commits exactly the
+one corrected token), with ragged prompts; and a random DFlash2 drafter. A higher τ with
+different text would be a state bug, not a win. The interpreted kernels make these slow,
+so budgets are short; the ``cuda`` test runs 300 tokens. (Kernel-level checks:
+test_runtime_gdn_kernels.py.)
+"""
+
+import pytest
+import torch
+from conftest import nontrivial_dflash2, spec_drafter
+from test_runtime_engine import PROMPTS, ScriptedProposer
+
+from dflash2.decoding import greedy_generate
+from dflash2.runtime import load_model
+from dflash2.runtime.drafter import RuntimeDrafter
+from dflash2.runtime.engine import generate_ar, generate_spec
+from dflash2.runtime.kernels.triton_util import interpreting
+from dflash2.target import TargetModel
+
+TAPS = [0, 1]
+N_NEW = 13  # interpreted kernels are slow: a few steps, the last one cut by the budget
+B = 4
+CPU = pytest.param("cpu", marks=pytest.mark.skipif(not interpreting(), reason="CPU tensors need TRITON_INTERPRET=1"))
+DEVICES = [CPU, pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.fixture(scope="module")
+def hybrid(hf_targets):
+    """(reference TargetModel, HF folder, prompts, prompt + HF greedy continuation per prompt)."""
+    hf, folder = hf_targets["qwen3_5"]
+    target = TargetModel(hf, target_layer_ids=TAPS)
+    prompts = PROMPTS[:3]  # lengths 7, 12, 3
+    gen = greedy_generate(target, prompts, N_NEW + B)
+    return target, folder, prompts, [p + g for p, g in zip(prompts, gen)]
+
+
+def _greedy(full, prompts, n=N_NEW):
+    return [f[len(p) :][:n] for f, p in zip(full, prompts)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["replay", "native"])
+def test_scripted_acceptance_equals_greedy(hybrid, mode):
+    """An oracle row (every draft accepted: B tokens per step) beside a row accepting a random
+    0..B-1 per step (0: the one corrected token), in the same steps."""
+    _, folder, prompts, full = hybrid
+    model = load_model(folder, target_layer_ids=TAPS, gdn_mode=mode)
+    assert model.new_state(1, 8).gdn.mode == mode
+    proposer = ScriptedProposer(full[:2], ["oracle", "partial"], B, model.vocab_size)
+    res = generate_spec(model, proposer, prompts[:2], N_NEW)
+    assert res.sequences == _greedy(full[:2], prompts[:2])
+    oracle, partial = res.accepted
+    assert oracle == [B - 1] * -(-(N_NEW - 1) // B)  # full acceptance commits B per step
+    assert {0, B - 1} <= set(partial)  # zero accepted (commits exactly 1) and full, in the ragged row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+def test_random_drafter_and_ar_equal_greedy(hybrid, device):
+    """A DFlash2 drafter off its init, ReplaySSM, ragged batch; AR decode (T = 1 verify) too."""
+    target, folder, prompts, full = hybrid
+    model = load_model(folder, target_layer_ids=TAPS, gdn_mode="replay", device=device)
+    drafter = RuntimeDrafter(nontrivial_dflash2(spec_drafter(target, B, v2=True, seed=3)).to(device), model)
+    assert generate_spec(model, drafter, prompts[1:], 8).sequences == _greedy(full[1:], prompts[1:], 8)
+    assert generate_ar(model, prompts[1:], 4) == _greedy(full[1:], prompts[1:], 4)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["replay", "native"])
+def test_long_generation_on_the_gpu_equals_reference_mode(hf_targets, mode, monkeypatch):
+    """fp32 on the GPU, 300 tokens: the Triton modes emit what the plain-PyTorch GDN path emits,
+    eager and as CUDA graphs (the kernels captured, logs at the state's reserved addresses)."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # the reference conv in full fp32
+    hf, folder = hf_targets["qwen3_5"]
+    target = TargetModel(hf, target_layer_ids=TAPS)
+    drafter = nontrivial_dflash2(spec_drafter(target, 8, v2=True, seed=4)).cuda()
+    out = {}
+    for m in ("reference", mode):
+        model = load_model(folder, target_layer_ids=TAPS, gdn_mode=m, device="cuda")
+        out[m] = generate_spec(model, RuntimeDrafter(drafter, model), PROMPTS, 300).sequences
+        assert out[m] == generate_ar(model, PROMPTS, 300), m
+    assert out[mode] == out["reference"]
+    model = load_model(folder, target_layer_ids=TAPS, gdn_mode=mode, device="cuda")
+    assert generate_spec(model, RuntimeDrafter(drafter, model), PROMPTS, 300, graphs=True).sequences == out[mode]
