@@ -141,7 +141,16 @@ def test_a_train_run_prints_each_line_once(tmp_path, micro_train_overrides):
         f"[dflash2] done; everything is under {run} (run_summary.json)",
     ]
     assert all(counts[line] == 1 for line in summary), [(line, counts[line]) for line in summary]
-    assert sum(line.startswith("[dflash2] held-out per-position top-1 accuracy") for line in console) == 1
+    # the result (measured τ) once, then the estimate and the accuracies it comes from, labelled, once each
+    starts = (
+        "[dflash2] RESULT: measured tau = ",
+        "[dflash2]   estimate, not a decode: tau ~ ",
+        "[dflash2]   held-out per-position top-1 accuracy",
+    )
+    for start in starts:
+        assert sum(line.startswith(start) for line in console) == 1, start
+    [result] = [i for i, line in enumerate(console) if line.startswith(starts[0])]
+    assert console[result + 1].startswith(starts[1]) and console[result + 2].startswith(starts[2])  # in this order
 
     # The log file in the run folder holds the same records with time, logger and level.
     [log_file] = run.glob("*.log")

@@ -21,7 +21,7 @@ from dflash2.drafter.local_conv import BlockLocalConv
 from dflash2.drafter.selector import CandidateSelector
 
 INIT_STD = 0.02  # HF Qwen3 initializer_range; the drafter trains from scratch
-ADDITIONS = (BlockLocalConv, CandidateSelector)  # DFlash2's modules (DESIGN §3): not part of the backbone
+ADDITIONS = (BlockLocalConv, CandidateSelector)  # DFlash2's modules (ARCHITECTURE.md §3): not part of the backbone
 BACKBONE_STREAM = "backbone"
 SELECTOR_STREAM = "candidate_selector"
 

@@ -1,0 +1,27 @@
+"""The repository stands alone: code and docs cite its own docs/ARCHITECTURE.md, never a design
+briefing that users of the repo do not have (a "DESIGN §N" reference crept back in once)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SUFFIXES = {".py", ".md", ".yaml", ".ipynb", ".toml"}
+OUTSIDE = re.compile(r"DESIGN(\.md)?\s*§|\.\./shared/|DESIGN\.md")
+
+
+def test_no_reference_points_outside_the_repo():
+    files = [p for p in REPO.rglob("*") if p.suffix in SUFFIXES or p.name == "Makefile"]
+    files = [
+        p for p in files if not any(part.startswith(".") or part == "outputs" for part in p.relative_to(REPO).parts)
+    ]
+    hits = [
+        f"{p.relative_to(REPO)}:{i}"
+        for p in files
+        if p != Path(__file__).resolve()
+        for i, line in enumerate(p.read_text(errors="replace").splitlines(), start=1)
+        if OUTSIDE.search(line)
+    ]
+    assert len(files) > 50 and not hits, hits
+    assert (REPO / "docs" / "ARCHITECTURE.md").is_file()
