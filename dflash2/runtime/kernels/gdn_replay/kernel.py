@@ -18,6 +18,15 @@ import triton.language as tl
 
 
 @triton.jit
+def _logged(log_k, log_u, log_g, tok, i_h, i_hk, o_k, o_v, m_k, m_v, HK, H, DK, DV):
+    """Flat token tok's logged g (scalar), k (BK,) and u (BV,) for value head i_h."""
+    g = tl.load(log_g + tok * H + i_h)
+    k = tl.load(log_k + (tok * HK + i_hk) * DK + o_k, mask=m_k, other=0.0)
+    u = tl.load(log_u + (tok * H + i_h) * DV + o_v, mask=m_v, other=0.0)
+    return g, k, u
+
+
+@triton.jit
 def gdn_replay_kernel(
     rec,  # (N, H, DK, DV) fp32 recurrent state, updated in place; (H, DK, DV) contiguous
     conv,  # (N, C, KW-1) conv window, updated in place
@@ -63,13 +72,29 @@ def gdn_replay_kernel(
             h = tl.load(p_s, mask=m_h, other=0.0)
         else:
             h = tl.load(p_rec, mask=m_h, other=0.0)
+            g_t, k_t, u_t = _logged(log_k, log_u, log_g, i_n * T, i_h, i_hk, o_k, o_v, m_k, m_v, HK, H, DK, DV)
             for t in range(0, n):
-                tok = i_n * T + t
-                g_t = tl.load(log_g + tok * H + i_h)
-                k_t = tl.load(log_k + (tok * HK + i_hk) * DK + o_k, mask=m_k, other=0.0)
-                u_t = tl.load(log_u + (tok * H + i_h) * DV + o_v, mask=m_v, other=0.0)
+                # the next token's log first (clamped to the last of the block: loaded, unused), so its
+                # loads are in flight during this token's update: the fold is latency-bound at batch 1
+                g_n, k_n, u_n = _logged(
+                    log_k,
+                    log_u,
+                    log_g,
+                    i_n * T + tl.minimum(t + 1, T - 1),
+                    i_h,
+                    i_hk,
+                    o_k,
+                    o_v,
+                    m_k,
+                    m_v,
+                    HK,
+                    H,
+                    DK,
+                    DV,
+                )
                 h = h * tl.exp(g_t)
                 h = h + k_t[:, None] * u_t[None, :]
+                g_t, k_t, u_t = g_n, k_n, u_n
         tl.store(p_rec, h, mask=m_h)
         # conv window: new column j = column n + j of [old window (KW-1) | x_0 .. x_{T-1}]
         o_c = (i_v * H + i_h) * BC + tl.arange(0, BC)

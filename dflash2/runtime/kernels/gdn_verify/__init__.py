@@ -68,15 +68,23 @@ def gdn_verify_triton(
         log.x.copy_(x)
     if log.native != native:
         raise ValueError(f"out is a {'native' if log.native else 'ReplaySSM'} log; this verify writes the other")
-    # the other mode's outputs are never touched: any tensor will do
-    k, u, g = (log.states,) * 3 if native else (log.k, log.u, log.g)
-    states = log.states if native else log.u
     if T == 0 or N == 0:
         return o, log
+    f32 = dict(dtype=torch.float32, device=x.device)
+    # the prep kernel's rows; ReplaySSM's k and g go straight into the log
+    k = torch.empty(N, T, num_k_heads, dk, **f32) if native else log.k
+    g = torch.empty(N, T, H, **f32) if native else log.g
+    prep = (
+        torch.empty(N, T, num_k_heads, dk, **f32),
+        k,
+        torch.empty(N, T, H, dv, **f32),
+        g,
+        torch.empty(N, T, H, **f32),
+    )
+    # the other mode's output is never touched: any tensor will do
+    u, states = (log.states, log.states) if native else (log.u, log.u)
     bk, bv = triton.next_power_of_2(dk), block_v or min(triton.next_power_of_2(dv), 16)
     bt = block_t or min(triton.next_power_of_2(T), 16)
-    # registers: the state tile, the q/k tiles of a chunk, its v / output / u tiles
-    warps = num_warps or default_warps(bk * bv + 2 * bt * bk + 3 * bt * bv)
     launch_verify(
         x,
         conv_state,
@@ -87,14 +95,15 @@ def gdn_verify_triton(
         A_log.contiguous(),
         dt_bias.contiguous(),
         o,
-        k,
+        prep,
         u,
-        g,
         states,
         num_k_heads=num_k_heads,
         native=native,
         block_v=bv,
         block_t=bt,
-        num_warps=warps,
+        # registers: the recurrence's state tile; the prep's q/k/v tiles of a chunk
+        num_warps=num_warps or default_warps(bk * bv),
+        prep_warps=default_warps(bt * (2 * bk + triton.next_power_of_2(dv))),
     )
     return o, log
