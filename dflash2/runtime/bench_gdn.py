@@ -234,6 +234,36 @@ def measure(
 
 # block_t only sizes the verify's prep kernel (not latency-bound); the recurrence and the fold are
 # what the tile width and warps change
+def profile_kernels(
+    shape: GDNShape, N: int, T: int, mode: str, *, iters: int = 5, **kw
+) -> list[tuple[str, float, float]]:
+    """GPU kernels of one verify + commit step, from torch.profiler over ``iters`` eager steps:
+    (kernel name, µs per GDN layer, launches per GDN layer), longest first. What limits the step:
+    kernel time vs the graph-timed total says how much is launch and gap."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device(kw.get("device", "cuda"))
+    state = _new_state(shape, N, mode, kw.get("dtype", torch.bfloat16), device, kw.get("kernel_options"))
+    inputs = _layer_inputs(shape, N, T, kw.get("dtype", torch.bfloat16), device)
+    n = torch.full((N,), T, dtype=torch.long, device=device)
+    for _ in range(3):
+        _verify_all(state, inputs)
+        state.commit(n)
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            _verify_all(state, inputs)
+            state.commit(n)
+        torch.cuda.synchronize(device)
+    per = iters * shape.num_layers
+    rows = [
+        (e.key, e.self_device_time_total / per, e.count / per)
+        for e in prof.key_averages()
+        if e.self_device_time_total > 0
+    ]
+    return sorted(rows, key=lambda r: -r[1])
+
+
 SWEEP = dict(block_v=(8, 16, 32, 64), num_warps=(1, 2, 4, 8))
 
 
@@ -298,6 +328,7 @@ def main(argv=None) -> list[Row]:
     p.add_argument("--sweep", action="store_true", help="search block_v / num_warps per batch and mode")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
+    p.add_argument("--profile", action="store_true", help="also list the GPU kernels of a step per batch and mode")
     args = p.parse_args(argv)
     shape = GDNShape.tiny() if args.tiny else GDNShape.qwen3_5_9b()
     kw = dict(
@@ -317,6 +348,11 @@ def main(argv=None) -> list[Row]:
         if args.device != "cpu":
             torch.cuda.empty_cache()  # native at batch 64 holds tens of GiB of per-position states
     print(report(rows, args.block))
+    if args.profile and args.device != "cpu":
+        for N, mode in itertools.product(args.batch, args.modes):
+            print(f"\nkernels of one verify + commit step, batch {N}, {mode} (µs and launches per GDN layer):")
+            for name, us, count in profile_kernels(shape, N, args.block, mode, **kw):
+                print(f"  {us:8.2f} µs  {count:4.1f}x  {name[:100]}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(shape=asdict(shape), block=args.block, rows=[asdict(r) for r in rows]), f, indent=2)
