@@ -8,20 +8,23 @@ every anchor is checked against greedy decoding on the way. What is asserted: ea
 own lossless flag, the cross-mode check against the first mode's AR output, the per-GDN-layer
 bench at the target's own shape (timed under the interpreter, bytes matching the shape
 formula), and that native's speculative state is larger than ReplaySSM's at this shape.
+On the GPU (``cuda``): the three modes through CUDA graphs, 300 tokens, a random DFlash2 drafter.
 Speed is never asserted.
 """
 
 import json
 
 import pytest
-from test_runtime_engine import ScriptedProposer, _prompt
+import torch
+from conftest import nontrivial_dflash2, spec_drafter
+from test_runtime_engine import PROMPTS, ScriptedProposer, _prompt
 
 from dflash2.decoding import greedy_generate
 from dflash2.errors import DFlash2Error
 from dflash2.eval import speedup_gdn
 from dflash2.eval.speedup import cross_mode, run_speedup
 from dflash2.eval.speedup_setup import Pair
-from dflash2.runtime import load_model
+from dflash2.runtime import RuntimeDrafter, load_model
 from dflash2.runtime.bench_gdn import GDNShape, spec_bytes
 from dflash2.runtime.kernels.triton_util import interpreting
 from dflash2.target import TargetModel
@@ -147,3 +150,39 @@ def test_cross_mode_check_names_the_first_divergence(hybrid):
     assert not x["spec_equals_first_mode_ar"] and (d["row"], d["position"]) == (1, 3)
     assert d["ar_token"] == ref[1][3] and d["spec_token"] == bad[1][3]
     assert d["margin"] > 0  # the greedy token is the argmax: the other one's logit is lower
+
+
+@pytest.mark.cuda
+def test_three_modes_on_the_gpu_agree(hf_targets, monkeypatch, tmp_path):
+    """fp32, CUDA graphs, ragged batch of 4 and batch 1, 300 tokens: ReplaySSM (headline), native and the
+    plain-PyTorch reference emit the same tokens, spec == AR in each; the per-layer bench is timed."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # the reference conv in full fp32
+    hf, folder = hf_targets["qwen3_5"]
+    model = load_model(folder, target_layer_ids=TAPS, device="cuda")
+    drafter = nontrivial_dflash2(spec_drafter(TargetModel(hf, target_layer_ids=TAPS), 8, v2=True, seed=4)).cuda()
+    pair = Pair(None, model, RuntimeDrafter(drafter, model), PROMPTS, "tiny hybrid on the GPU", False)
+    res = run_speedup(
+        pair,
+        batch_sizes=[1, 4],
+        max_new_tokens=300,
+        hf_new_tokens=0,
+        runs=2,
+        copy_bytes=1 << 24,
+        gdn_modes=["replay", "native", "reference"],
+        gdn_bench_iters=5,
+        output_dir=tmp_path,
+        log=lambda _: None,
+    )
+    assert res["gdn"]["modes"] == ["replay", "native", "reference"]
+    assert res["ablation_ar_batch1_no_fused_kernels"]["gdn_mode"] == "replay" and "profile_ar_batch1" in res
+    for N in ("1", "4"):
+        row = res["batches"][N]
+        assert row["gdn_mode"] == "replay" and list(row["other_gdn_modes"]) == ["native", "reference"]
+        for mode, sub in speedup_gdn.mode_rows(row):
+            x = sub["first_mode"]
+            assert sub["lossless"] and x["ar_equals_first_mode_ar"] and x["spec_equals_first_mode_ar"], (N, mode)
+            assert sub["gdn_layer"]["timed"] and sub["gdn_layer"]["total_us"] > 0
+        assert (
+            row["gdn_layer"]["spec_bytes_per_request"]
+            < row["other_gdn_modes"]["native"]["gdn_layer"]["spec_bytes_per_request"]
+        )
