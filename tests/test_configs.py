@@ -183,7 +183,10 @@ def test_eval_acceptance_config_composes_with_its_prompt_options(tmp_path):
     assert cfg.prompt_seed == 7 and cfg.prompt_position in POSITIONS and cfg.prompts_per_document == 1
 
 
-@pytest.mark.parametrize("overrides", [[], ["shape=qwen3_8b", "batch_sizes=[1]"], ["target=T", "drafter=D", "runs=5"]])
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["shape=qwen3_8b", "batch_sizes=[1]"], ["target=T", "drafter=D", "runs=5", "gdn_modes=[reference,replay]"]],
+)
 def test_eval_speedup_config_composes(overrides, tmp_path):
     """configs/eval_speedup.yaml composes (through the ConfigStore, as `python -m eval.speedup` loads it)."""
     from hydra import initialize
@@ -191,6 +194,7 @@ def test_eval_speedup_config_composes(overrides, tmp_path):
 
     from dflash2.eval.acceptance_cli import config_file
     from dflash2.eval.speedup_cli import CONFIG_NAME
+    from dflash2.runtime.gdn_state import GDN_MODE_CHOICES
 
     ConfigStore.instance().store(name=CONFIG_NAME, node=OmegaConf.load(config_file(CONFIG_NAME)))
     GlobalHydra.instance().clear()
@@ -201,3 +205,6 @@ def test_eval_speedup_config_composes(overrides, tmp_path):
     assert cfg.paths.output_dir == str(tmp_path)
     if overrides:
         assert cfg.shape == "qwen3_8b" or (cfg.target, cfg.drafter, cfg.runs) == ("T", "D", 5)
+    # hybrid targets: ReplaySSM (headline) and native rollback by default, every name one GDNState knows
+    expected = ["reference", "replay"] if "gdn_modes=[reference,replay]" in overrides else ["replay", "native"]
+    assert list(cfg.gdn_modes) == expected and set(expected) <= set(GDN_MODE_CHOICES)

@@ -79,14 +79,17 @@ def test_trained_pair_command_writes_results_and_is_lossless(pair_dirs, tmp_path
         "batch_sizes=[1,2]",
         "max_new_tokens=12",
         "hf_new_tokens=4",
+        "gdn_modes=reference",  # one mode, given as a plain value; the Triton modes: test_eval_speedup_gdn.py
         f"paths.output_dir={out}",
     )
     res = json.loads((out / "results.json").read_text())
     _check(res, [1, 2])
     assert res["random_weights"] is False and res["block_size"] == 4
     assert all(row["predicted"] == [] for row in res["batches"].values())  # a trained pair: measured only
+    assert res["gdn"]["applicable"] and res["gdn"]["modes"] == ["reference"]  # the target is a hybrid
+    assert all(row["gdn_mode"] == "reference" and "other_gdn_modes" not in row for row in res["batches"].values())
     md = (out / "results.md").read_text()
-    assert "| 2 | runtime spec |" in md and "lossless" in md
+    assert "| 2 | runtime spec (reference) |" in md and "lossless" in md
     pytest.importorskip("matplotlib")
     assert (out / "step_breakdown.png").stat().st_size > 0
 
@@ -102,7 +105,33 @@ def test_random_shape_predicts_and_labels_it(tmp_path, monkeypatch):
     assert res["random_weights"] is True and "shape=tiny" in res["label"]
     (pred,) = res["batches"]["1"]["predicted"]
     assert pred["tau"] == 2.5 and pred["label"] == "prediction" and pred["speedup"] > 0
-    assert "**prediction** at τ = 2.50" in (out / "results.md").read_text()
+    md = (out / "results.md").read_text()
+    assert "**prediction** at τ = 2.50" in md
+    # Qwen3 has no GDN layers: the config's modes are recorded as not applicable, the runtime runs once
+    gdn = res["gdn"]
+    assert gdn == {"applicable": False, "requested": ["replay", "native"], "reason": "the target has no GDN layers"}
+    assert res["batches"]["1"]["gdn_mode"] is None and "other_gdn_modes" not in res["batches"]["1"]
+    assert "| 1 | runtime spec |" in md and "not applicable" in md
+
+
+def test_unknown_gdn_mode_is_one_line(pair_dirs, monkeypatch, capsys, tmp_path):
+    root, prompts = pair_dirs
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        _cli(
+            monkeypatch,
+            f"target={root / 'target'}",
+            f"drafter={root / 'drafter'}",
+            f"prompts={prompts}",
+            "batch_sizes=[1]",
+            "gdn_modes=[replay,fastest]",
+            f"paths.output_dir={out}",
+        )
+    err = capsys.readouterr().err  # checked before the pair loads: nothing else on stderr
+    assert e.value.code == 2 and err.splitlines() == [
+        "error: gdn_modes ['fastest'] not known; use some of ['auto', 'reference', 'replay', 'native']"
+    ]
+    assert not (out / "results.json").exists()
 
 
 def test_nothing_to_measure_is_one_line(monkeypatch, capsys, tmp_path):

@@ -7,7 +7,8 @@ beside one that accepts a random count, none included (that step commits exactly
 one corrected token), with ragged prompts; and a random DFlash2 drafter. A higher τ with
 different text would be a state bug, not a win. The interpreted kernels make these slow,
 so budgets are short; the ``cuda`` test runs 300 tokens. (Kernel-level checks:
-test_runtime_gdn_kernels.py.)
+test_runtime_gdn_kernels.py.) Also: the default ``gdn_mode="auto"`` picks ReplaySSM for CUDA
+states and the plain-PyTorch reference on the CPU, and an unknown mode fails at load.
 """
 
 import pytest
@@ -19,7 +20,9 @@ from dflash2.decoding import greedy_generate
 from dflash2.runtime import load_model
 from dflash2.runtime.drafter import RuntimeDrafter
 from dflash2.runtime.engine import generate_ar, generate_spec
+from dflash2.runtime.gdn_state import GDNState, resolve_gdn_mode
 from dflash2.runtime.kernels.triton_util import interpreting
+from dflash2.runtime.models import from_hf_model
 from dflash2.target import TargetModel
 
 TAPS = [0, 1]
@@ -41,6 +44,35 @@ def hybrid(hf_targets):
 
 def _greedy(full, prompts, n=N_NEW):
     return [f[len(p) :][:n] for f, p in zip(full, prompts)]
+
+
+def test_auto_is_the_default_and_follows_the_state_device(hf_targets):
+    """'auto' stays on the model and is resolved per state: the CPU gets the plain loop (the kernels
+    would run interpreted there), CUDA gets ReplaySSM; explicit modes win over it."""
+    hf, folder = hf_targets["qwen3_5"]
+    for model in (load_model(folder), from_hf_model(hf)):
+        assert model.gdn_mode == "auto"
+        assert model.new_state(1, 8).gdn.mode == "reference"  # CPU, even with TRITON_INTERPRET=1
+        assert model.new_state(1, 8, gdn_mode="native").gdn.mode == "native"
+    assert load_model(folder, gdn_mode="replay").new_state(1, 8).gdn.mode == "replay"
+    assert resolve_gdn_mode("auto", "cuda") == "replay" and resolve_gdn_mode("auto", "cpu") == "reference"
+    assert resolve_gdn_mode("native", "cpu") == "native"
+
+
+def test_unknown_mode_is_refused_where_it_is_written(hf_targets):
+    hf, folder = hf_targets["qwen3_5"]
+    for make in (lambda: load_model(folder, gdn_mode="fast"), lambda: from_hf_model(hf, gdn_mode="fast")):
+        with pytest.raises(ValueError, match=r"'fast'.*'auto', 'reference', 'replay', 'native'"):
+            make()
+    dims = dict(conv_dim=8, conv_kernel=4, num_k_heads=1, num_v_heads=1, head_k_dim=2, head_v_dim=2)
+    with pytest.raises(ValueError, match="GDN mode 'Replay'"):
+        GDNState(1, 1, dtype=torch.float32, device="cpu", mode="Replay", **dims)
+
+
+@pytest.mark.cuda
+def test_auto_runs_replayssm_on_the_gpu(hf_targets):
+    _, folder = hf_targets["qwen3_5"]
+    assert load_model(folder, device="cuda").new_state(1, 8).gdn.mode == "replay"
 
 
 @pytest.mark.slow

@@ -18,23 +18,28 @@ with the target's logit margin between the two tokens in the run's dtype. Random
 shapes give real step times but meaningless τ: speedups there are predictions from a
 given τ and the measured step times, and labelled so.
 
-Hydra-free (the CLI is ``dflash2.eval.speedup_cli``); :func:`run_speedup` returns the results dict.
+A hybrid target (Gated DeltaNet layers) runs (b) and (c) once per GDN mode of ``gdn_modes``
+(ReplaySSM, native rollback, ...; speedup_gdn.py): each mode's lossless flag compares its own (c)
+with its own (b), and each mode's (b) and (c) are also compared with the first mode's (b) token for
+token; beside them, the per-GDN-layer verify + commit µs and speculative-state bytes per request at
+the target's own GDN shape.
+
+Hydra-free (the CLI is ``dflash2.eval.speedup_cli``); :func:`run_speedup` returns the results dict,
+speedup_report.py writes the files.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from dflash2.eval import speedup_gdn
+from dflash2.eval.speedup_report import PHASES, write_results
 from dflash2.runtime import Decoder, kernels
 from dflash2.runtime.graphs import PhaseTimer
-
-PHASES = ("draft", "verify", "accept", "commit", "gap")
 
 
 # ----------------------------------------------------------------------------- ceilings
@@ -231,16 +236,22 @@ def run_speedup(
     predict_taus=(),
     profile: bool = True,
     ablate_kernels: bool = True,
+    gdn_modes=("replay", "native"),
+    gdn_bench_iters: int = 50,
     output_dir=None,
     log=print,
     extra: dict | None = None,
 ) -> dict:
     """Measure (a), (b), (c) for each batch size on ``pair`` (speedup_setup.Pair); write results if output_dir.
 
+    gdn_modes: for a hybrid target, (b) and (c) are measured once per mode (speedup_gdn.py); the first is
+    the headline row, the others go to each batch row's ``other_gdn_modes``. Ignored (recorded as not
+    applicable) for a target without GDN layers. gdn_bench_iters: replays per phase of the per-layer bench.
     extra: settings recorded in the results as they are (e.g. the attention backend)."""
     target, drafter = pair.target, pair.drafter
     device = target.embed.weight.device
     B = drafter.block_size
+    modes = speedup_gdn.plan_modes(target, gdn_modes)  # [] without GDN layers; user errors before any timing
     longest = max(len(p) for p in pair.prompts)
     max_len = longest + max_new_tokens + B + 1
     bw = copy_bandwidth(device, copy_bytes)
@@ -257,54 +268,96 @@ def run_speedup(
         "weight_bytes": wbytes,
         "bound_ms_per_step": bound_ms,
         **(extra or {}),
+        "gdn": speedup_gdn.summary(target, gdn_modes, modes, B),
         "batches": {},
     }
     where = f"{pair.label} on {results['device']}"
     log(f"{where}: weights {wbytes / 1e9:.3g} GB, copy {bw / 1e9:.0f} GB/s, bound {bound_ms:.3f} ms/step")
-    dec = Decoder(target, drafter, max_len=max_len)
-    progress = _progress(len(batch_sizes) * 2 * runs)
+    prompts_of = {N: [pair.prompts[i % len(pair.prompts)] for i in range(N)] for N in batch_sizes}
+    rows = {N: {} for N in batch_sizes}
     for N in batch_sizes:
-        prompts = [pair.prompts[i % len(pair.prompts)] for i in range(N)]
-        row = {}
-        if pair.hf is not None and hf_new_tokens > 0:
-            row["hf"] = time_hf(pair.hf, prompts, hf_new_tokens, runs)
-        row["ar"] = time_runtime(dec, prompts, max_new_tokens, runs, spec=False, progress=progress)
-        row["spec"] = time_runtime(dec, prompts, max_new_tokens, runs, spec=True, progress=progress)
-        ar, spec = row["ar"], row["spec"]
-        step = ar["ms_per_step"]["median"]
-        row["ar_fraction_of_bound"] = bound_ms / step
-        row["ar_weight_GBps"] = wbytes / step / 1e6
-        row["verify_over_ar_step"] = spec["phases_ms"]["verify"]["median"] / step
-        row["lossless"] = spec["sequences"] == ar["sequences"]
-        row["divergence"] = (
-            None if row["lossless"] else first_divergence(target, prompts, ar["sequences"], spec["sequences"])
-        )
-        if "hf" in row:
-            n = row["hf"]["new_tokens"]
-            row["hf_prefix_equals_ar"] = [h[:n] == a[:n] for h, a in zip(row["hf"]["sequences"], ar["sequences"])]
-        row["speedup_measured"] = spec["tokens_per_s"]["median"] / ar["tokens_per_s"]["median"]
-        spec_step = spec["ms_per_step"]["median"]
-        row["predicted"] = [{"tau": t, "speedup": t * step / spec_step, "label": "prediction"} for t in predict_taus]
-        results["batches"][str(N)] = row
-        log(_row_line(N, row, bound_ms))
-    if profile and device.type == "cuda":
-        results["profile_ar_batch1"] = profile_ar_step(dec, 1)
-    if ablate_kernels and device.type == "cuda":
-        with kernels.kernels(False):  # the same graphs with the eager twins inside: what the fusion buys
-            plain = Decoder(target, None, max_len=max_len)
-            prompts = pair.prompts[:1]
-            results["ablation_ar_batch1_no_fused_kernels"] = _strip(
-                time_runtime(plain, prompts, max_new_tokens, runs, spec=False)
-            )
+        if pair.hf is not None and hf_new_tokens > 0:  # HF's own GDN path: the same for every mode
+            rows[N]["hf"] = time_hf(pair.hf, prompts_of[N], hf_new_tokens, runs)
+    progress = _progress(len(batch_sizes) * 2 * runs * max(1, len(modes)))
+    first_ar = {}  # batch -> the headline mode's AR sequences: every mode is compared with them
+    for i, mode in enumerate(modes or [None]):  # None: not a hybrid, one pass with the target as it is
+        if progress is not None and mode is not None:
+            progress.set_description(f"timed generations, GDN {mode}")
+        with speedup_gdn.gdn_mode(target, mode):
+            dec = Decoder(target, drafter, max_len=max_len)  # new states (and graphs) in this mode
+            for N in batch_sizes:
+                prompts = prompts_of[N]
+                sub = _measure_mode(dec, prompts, max_new_tokens, runs, bound_ms, wbytes, predict_taus, progress)
+                if mode is not None:
+                    first_ar.setdefault(N, sub["ar"]["sequences"])
+                    sub["first_mode"] = cross_mode(target, prompts, first_ar[N], sub)
+                    sub["gdn_layer"] = speedup_gdn.layer_cost(target, mode, N, B, iters=gdn_bench_iters)
+                if i == 0:
+                    rows[N].update(sub, gdn_mode=mode)
+                else:
+                    rows[N].setdefault("other_gdn_modes", {})[mode] = sub
+                log(_row_line(N, rows[N] if i == 0 else sub, bound_ms, mode))
+            if i == 0:  # profile and ablation of the headline mode
+                if profile and device.type == "cuda":
+                    results["profile_ar_batch1"] = profile_ar_step(dec, 1)
+                if ablate_kernels and device.type == "cuda":
+                    with kernels.kernels(False):  # the same graphs with the eager twins inside: what the fusion buys
+                        plain = Decoder(target, None, max_len=max_len)
+                        results["ablation_ar_batch1_no_fused_kernels"] = {
+                            **_strip(time_runtime(plain, pair.prompts[:1], max_new_tokens, runs, spec=False)),
+                            "gdn_mode": mode,
+                        }
+                    del plain
+            del dec
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the next mode's caches (native: T states per row) start from a clean pool
     if progress is not None:
         progress.close()
-    for row in results["batches"].values():
-        for k in ("hf", "ar", "spec"):
-            if k in row:
-                row[k] = _strip(row[k])
+    for N, row in rows.items():
+        if "hf" in row:
+            n = row["hf"]["new_tokens"]
+            hf_ar = zip(row["hf"]["sequences"], row["ar"]["sequences"])
+            row["hf_prefix_equals_ar"] = [h[:n] == a[:n] for h, a in hf_ar]
+        for _, sub in speedup_gdn.mode_rows(row):
+            for k in ("hf", "ar", "spec"):
+                if k in sub:
+                    sub[k] = _strip(sub[k])
+        results["batches"][str(N)] = row
     if output_dir is not None:
         write_results(results, Path(output_dir))
     return results
+
+
+def _measure_mode(dec, prompts, max_new_tokens, runs, bound_ms, wbytes, predict_taus, progress) -> dict:
+    """(b) and (c) on one Decoder (one GDN mode), their lossless flag and ratios: one (sub-)row."""
+    ar = time_runtime(dec, prompts, max_new_tokens, runs, spec=False, progress=progress)
+    spec = time_runtime(dec, prompts, max_new_tokens, runs, spec=True, progress=progress)
+    step, spec_step = ar["ms_per_step"]["median"], spec["ms_per_step"]["median"]
+    lossless = spec["sequences"] == ar["sequences"]
+    return {
+        "ar": ar,
+        "spec": spec,
+        "ar_fraction_of_bound": bound_ms / step,
+        "ar_weight_GBps": wbytes / step / 1e6,
+        "verify_over_ar_step": spec["phases_ms"]["verify"]["median"] / step,
+        "lossless": lossless,
+        "divergence": None if lossless else first_divergence(dec.model, prompts, ar["sequences"], spec["sequences"]),
+        "speedup_measured": spec["tokens_per_s"]["median"] / ar["tokens_per_s"]["median"],
+        "predicted": [{"tau": t, "speedup": t * step / spec_step, "label": "prediction"} for t in predict_taus],
+    }
+
+
+def cross_mode(model, prompts, first_ar, sub: dict) -> dict:
+    """Whether a mode's AR and spec outputs equal the first mode's AR output token for token, and the first
+    divergence of each (both tokens and their logit margin) where not. Modes differ only in how GDN states
+    are kept, so a difference is either rounding (a near-tie margin) or a state bug."""
+    out = {}
+    for key in ("ar", "spec"):
+        seqs = sub[key]["sequences"]
+        equal = seqs == first_ar
+        out[f"{key}_equals_first_mode_ar"] = equal
+        out[f"{key}_divergence"] = None if equal else first_divergence(model, prompts, first_ar, seqs)
+    return out
 
 
 def _strip(d: dict) -> dict:
@@ -320,130 +373,12 @@ def _progress(total: int):
     return tqdm(total=total, desc="timed generations", leave=False)
 
 
-def _row_line(N: int, row: dict, bound_ms: float) -> str:
+def _row_line(N: int, row: dict, bound_ms: float, mode: str | None = None) -> str:
     ar, spec = row["ar"], row["spec"]
     hf = f"HF {row['hf']['tokens_per_s']['median']:.1f} tok/s, " if "hf" in row else ""
+    gdn = f" [GDN {mode}]" if mode else ""
     return (
-        f"batch {N}: {hf}AR {ar['ms_per_step']['median']:.3f} ms/step ({row['ar_fraction_of_bound']:.0%} of bound "
+        f"batch {N}{gdn}: {hf}AR {ar['ms_per_step']['median']:.3f} ms/step ({row['ar_fraction_of_bound']:.0%} of bound "
         f"{bound_ms:.3f}), spec {spec['ms_per_step']['median']:.3f} ms/step tau {spec['tau']:.2f}, "
         f"verify/AR {row['verify_over_ar_step']:.2f}, lossless {row['lossless']}"
     )
-
-
-# ----------------------------------------------------------------------------- report
-def _fmt(s: dict, digits: int = 2) -> str:
-    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}–{s['max']:.{digits}f}]"
-
-
-def markdown(results: dict) -> str:
-    bound = results["bound_ms_per_step"]
-    lines = [
-        f"# eval.speedup — {results['label']}",
-        "",
-        f"{results['date']}, {results['device']}, {results['dtype']}, block {results['block_size']}, "
-        f"attention {results.get('attention', 'default')}; "
-        f"weights read per step {results['weight_bytes'] / 1e9:.4g} GB, copy bandwidth "
-        f"{results['copy_bandwidth_GBps']:.0f} GB/s (measured in this run) -> bound {bound:.3f} ms/step. "
-        "Median [min–max] over runs.",
-        "",
-        "| batch | method | ms/step | tokens/s | τ | weight GB/s | % of bound | lossless |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for N, row in results["batches"].items():
-        for name, key in (("HF generate", "hf"), ("runtime AR", "ar"), ("runtime spec", "spec")):
-            if key not in row:
-                continue
-            r = row[key]
-            ms = r["ms_per_step"]["median"]
-            tau = f"{r['tau']:.2f}" if "tau" in r else "1"
-            gbps = results["weight_bytes"] / ms / 1e6
-            frac = f"{bound / ms:.0%}" if key != "spec" else "—"
-            lossless = "" if key != "spec" else ("true" if row["lossless"] else "FALSE")
-            lines.append(
-                f"| {N} | {name} | {_fmt(r['ms_per_step'], 3)} | {_fmt(r['tokens_per_s'], 1)} | {tau} | "
-                f"{gbps:.4g} | {frac} | {lossless} |"
-            )
-    lines += ["", "Step breakdown (ms, median over runs of the per-run median):", ""]
-    lines += ["| batch | method | " + " | ".join(PHASES) + " |", "|---|---|" + "---|" * len(PHASES)]
-    for N, row in results["batches"].items():
-        for key in ("ar", "spec"):
-            ph = row[key]["phases_ms"]
-            cells = [f"{ph[p]['median']:.3f}" if p in ph else "—" for p in PHASES]
-            lines.append(f"| {N} | {key} | " + " | ".join(cells) + " |")
-    lines.append("")
-    for N, row in results["batches"].items():
-        lines.append(
-            f"- batch {N}: verify-{results['block_size']} / AR step = {row['verify_over_ar_step']:.2f}; "
-            f"measured spec/AR tokens/s = {row['speedup_measured']:.2f}"
-            + (
-                ""
-                if results["random_weights"]
-                else f" (τ {row['spec']['tau']:.2f}, 0.6·τ = {0.6 * row['spec']['tau']:.2f})"
-            )
-        )
-        for p in row["predicted"]:
-            lines.append(f"  - **prediction** at τ = {p['tau']:.2f}: speedup {p['speedup']:.2f}× over runtime AR")
-        if row["divergence"]:
-            lines.append(f"  - first divergence: {json.dumps(row['divergence'])}")
-    prof = results.get("profile_ar_batch1")
-    if prof:
-        lines += [
-            "",
-            f"Profile of one AR step at batch 1 ({prof['how']}): {prof['kernels_per_step']:.0f} kernels, "
-            f"{prof['kernel_us_per_step']:.0f} µs of kernel time, GEMM/GEMV {prof['gemm_us_per_step']:.0f} µs.",
-            "",
-            "| kernel | µs/step | calls/step |",
-            "|---|---|---|",
-        ]
-        lines += [f"| `{t['kernel'][:70]}` | {t['us_per_step']:.1f} | {t['calls_per_step']:.0f} |" for t in prof["top"]]
-    abl = results.get("ablation_ar_batch1_no_fused_kernels")
-    if abl:
-        lines += [
-            "",
-            f"Ablation: runtime AR batch 1 without the fused kernels (eager twins in the graphs): "
-            f"{_fmt(abl['ms_per_step'], 3)} ms/step ({bound / abl['ms_per_step']['median']:.0%} of bound).",
-        ]
-    return "\n".join(lines) + "\n"
-
-
-def plot_breakdown(results: dict, path: Path) -> bool:
-    """Stacked bars of the step-time breakdown per (batch, method); False when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    labels, stacks = [], {p: [] for p in PHASES}
-    for N, row in results["batches"].items():
-        for key in ("ar", "spec"):
-            labels.append(f"{key} b{N}")
-            for p in PHASES:
-                stacks[p].append(row[key]["phases_ms"].get(p, {"median": 0.0})["median"])
-    fig, ax = plt.subplots(figsize=(1.2 * len(labels) + 2, 4))
-    bottom = [0.0] * len(labels)
-    for p in PHASES:
-        ax.bar(labels, stacks[p], bottom=bottom, label=p)
-        bottom = [b + v for b, v in zip(bottom, stacks[p])]
-    ax.axhline(results["bound_ms_per_step"], color="k", ls="--", lw=1, label="weight-read bound")
-    ax.set_ylabel("ms per step")
-    ax.set_title(results["label"][:80], fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
-def write_results(results: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=_json_default))
-    (out / "results.md").write_text(markdown(results))
-    plot_breakdown(results, out / "step_breakdown.png")
-
-
-def _json_default(x):
-    if isinstance(x, float) and math.isnan(x):
-        return None
-    return str(x)

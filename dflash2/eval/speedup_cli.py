@@ -59,8 +59,11 @@ def build_pair(cfg):
 def run(cfg) -> dict:
     """Build the pair from the composed config, measure, write results; returns the results dict."""
     from dflash2.eval.speedup import run_speedup
+    from dflash2.eval.speedup_gdn import check_names
     from dflash2.runtime.cache import set_attention_backend
 
+    modes = cfg.gdn_modes
+    modes = check_names([modes] if isinstance(modes, str) else modes)  # gdn_modes=replay: one mode; typos first
     set_attention_backend(cfg.attention)
     pair = build_pair(cfg)
     taus = [float(t) for t in cfg.predict_taus] if pair.random else []
@@ -74,6 +77,7 @@ def run(cfg) -> dict:
         predict_taus=taus,
         profile=bool(cfg.profile),
         ablate_kernels=bool(cfg.ablate_kernels),
+        gdn_modes=modes,
         output_dir=cfg.paths.output_dir,
         extra={"attention": cfg.attention or "default"},
     )

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from dflash2.runtime.gdn_state import GDNState
+from dflash2.runtime.models.base import GDN
 
 MiB = 2**20
 
@@ -65,6 +66,29 @@ class GDNShape:
             head_v_dim=c.linear_value_head_dim,
             conv_kernel=c.linear_conv_kernel_dim,
         )
+
+    @classmethod
+    def of_model(cls, model) -> GDNShape | None:
+        """The GDN layers of a runtime model (its ``gdn_dims`` and ``layer_types``); None without any.
+
+        Why from the runtime model and not the HF config: it is what the runtime's states are built
+        from (models/base.py ``new_state``), whichever config class or composite folder it came from.
+        """
+        count = model.layer_types.count(GDN)
+        if not count or model.gdn_dims is None:
+            return None
+        d = model.gdn_dims
+        shape = cls(
+            num_layers=count,
+            num_k_heads=d["num_k_heads"],
+            num_v_heads=d["num_v_heads"],
+            head_k_dim=d["head_k_dim"],
+            head_v_dim=d["head_v_dim"],
+            conv_kernel=d["conv_kernel"],
+        )
+        if shape.conv_dim != d["conv_dim"]:  # the conv runs over q, k, v channels and nothing else
+            raise ValueError(f"GDN conv_dim {d['conv_dim']} != 2·Hk·d_k + H·d_v = {shape.conv_dim}")
+        return shape
 
     @classmethod
     def tiny(cls) -> GDNShape:

@@ -18,8 +18,11 @@ same two updates in the same order (the "exact fold": u_t already holds the
 correction term, so replay needs no hᵀk and is not sequential in anything but h),
 and the new conv window is the last K-1 columns of ``[old window | x_1 .. x_n]``.
 
-Three implementations of the same two steps, chosen by ``mode`` (§5.5):
+Three implementations of the same two steps, chosen by ``mode`` (§5.5), plus ``"auto"``:
 
+* ``"auto"`` (the default of runtime models): ``"replay"`` for states on a CUDA device (with Triton
+  importable), ``"reference"`` elsewhere: on CPU tensors the kernels only run in Triton's
+  interpreter, which is far slower than the plain loop (:func:`resolve_gdn_mode`);
 * ``"reference"``: plain PyTorch (kernels/gdn_verify/reference.py, kernels/gdn_replay/reference.py;
   a Python loop over T), the oracle the kernels are tested against; runs anywhere;
 * ``"replay"``: the Triton ReplaySSM kernels (verify fused with conv + SiLU, L2 norms and gates;
@@ -42,9 +45,39 @@ from dflash2.runtime.kernels.gdn_log import GDNLog, new_log
 from dflash2.runtime.kernels.gdn_replay.reference import gdn_replay
 from dflash2.runtime.kernels.gdn_verify.reference import gdn_gates, gdn_verify
 
-GDN_MODES = ("reference", "replay", "native")
+GDN_MODES = ("reference", "replay", "native")  # what a state runs
+GDN_MODE_CHOICES = ("auto", *GDN_MODES)  # what callers may ask for
+# Native mode stores per-position states only for verifies of at most this many tokens (a block);
+# longer forwards (prefill) log for a fold.
+NATIVE_MAX_TOKENS = 16
 
-__all__ = ["GDN_MODES", "GDNLog", "GDNState", "gdn_gates", "gdn_replay", "gdn_verify"]
+__all__ = [
+    "GDN_MODES",
+    "GDN_MODE_CHOICES",
+    "NATIVE_MAX_TOKENS",
+    "GDNLog",
+    "GDNState",
+    "gdn_gates",
+    "gdn_replay",
+    "gdn_verify",
+    "resolve_gdn_mode",
+]
+
+
+def resolve_gdn_mode(mode: str, device) -> str:
+    """The concrete mode a state on ``device`` runs for ``mode``; ValueError for an unknown one.
+
+    ``"auto"`` is ``"replay"`` on CUDA when Triton imports and ``"reference"`` otherwise: the Triton
+    kernels run on CPU tensors only in the interpreter (seconds per verify), and the plain loop is the
+    one implementation that needs nothing. Explicit modes are returned as they are.
+    """
+    if mode not in GDN_MODE_CHOICES:
+        raise ValueError(f"GDN mode {mode!r}: expected one of {GDN_MODE_CHOICES}")
+    if mode != "auto":
+        return mode
+    from dflash2.runtime.kernels import available
+
+    return "replay" if torch.device(device).type == "cuda" and available() else "reference"
 
 
 class GDNState:
@@ -54,7 +87,7 @@ class GDNState:
     preallocated and updated in place (static addresses, CUDA-graph friendly); zeros
     = the empty prefix, as HF starts. ``verify(slot, ...)`` is called once per layer
     per forward and keeps that layer's log until ``commit(n)`` consumes all of them.
-    mode: 'reference' | 'replay' | 'native' (module docstring); kernel_options: block_v /
+    mode: 'reference' | 'replay' | 'native', or 'auto' (by the device: module docstring); kernel_options: block_v /
     block_t / num_warps for the Triton kernels (tuning).
     """
 
@@ -72,11 +105,10 @@ class GDNState:
         dtype: torch.dtype,
         device: torch.device | str,
         mode: str = "reference",
-        native_max_tokens: int = 16,
+        native_max_tokens: int = NATIVE_MAX_TOKENS,
         kernel_options: dict | None = None,
     ):
-        if mode not in GDN_MODES:
-            raise ValueError(f"GDN mode {mode!r}: expected one of {GDN_MODES}")
+        mode = resolve_gdn_mode(mode, device)
         self.conv = torch.zeros(num_layers, batch_size, conv_dim, conv_kernel - 1, dtype=dtype, device=device)
         self.rec = torch.zeros(
             num_layers, batch_size, num_v_heads, head_k_dim, head_v_dim, dtype=torch.float32, device=device

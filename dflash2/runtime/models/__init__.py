@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash2.runtime.gdn_state import GDN_MODES
+from dflash2.runtime.gdn_state import GDN_MODE_CHOICES
 from dflash2.runtime.models.base import ModelOutput, RuntimeCausalLM
 from dflash2.runtime.models.llama import Llama
 from dflash2.runtime.models.loading import assign_weights, load_weights, parse_dtype, read_text_config
@@ -20,13 +20,14 @@ FAMILIES: dict[str, type[RuntimeCausalLM]] = {
 }
 
 
-def load_model(folder, *, dtype=None, device="cpu", target_layer_ids=(), gdn_mode="reference") -> RuntimeCausalLM:
+def load_model(folder, *, dtype=None, device="cpu", target_layer_ids=(), gdn_mode="auto") -> RuntimeCausalLM:
     """The runtime model of the HF checkpoint in ``folder`` (config.json + *.safetensors).
 
     dtype: None/'auto' keeps the stored dtype; else a torch.dtype or 'bfloat16'/'float16'/'float32'.
     target_layer_ids: layers whose outputs the forward returns as taps (see ``RuntimeCausalLM.set_taps``).
-    gdn_mode: GDN state implementation of hybrids, 'reference' (plain PyTorch) | 'replay' (Triton
-    ReplaySSM) | 'native' (Triton, native rollback); see dflash2.runtime.gdn_state.
+    gdn_mode: GDN state implementation of hybrids, 'auto' (default: 'replay' for states on CUDA,
+    'reference' on the CPU, decided when a state is made) | 'reference' (plain PyTorch) | 'replay'
+    (Triton ReplaySSM) | 'native' (Triton, native rollback); see dflash2.runtime.gdn_state.
     The result is in eval mode with gradients off (a frozen target), its q|k|v and gate|up
     projections fused (``fuse_projections``): move it afterwards only if you accept a copy.
     """
@@ -49,16 +50,17 @@ def load_model(folder, *, dtype=None, device="cpu", target_layer_ids=(), gdn_mod
 
 
 def _gdn_mode(mode: str) -> str:
-    if mode not in GDN_MODES:
-        raise ValueError(f"gdn_mode {mode!r}: expected one of {GDN_MODES}")
+    """Checked at load, not at the first state: a typo should fail where it was written."""
+    if mode not in GDN_MODE_CHOICES:
+        raise ValueError(f"gdn_mode {mode!r}: expected one of {GDN_MODE_CHOICES}")
     return mode
 
 
-def from_hf_model(hf_model, *, target_layer_ids=(), gdn_mode="reference") -> RuntimeCausalLM:
+def from_hf_model(hf_model, *, target_layer_ids=(), gdn_mode="auto") -> RuntimeCausalLM:
     """The runtime model over an in-memory HF causal LM's weights (same device and dtype; benchmarks, tests).
 
     The weights are shared with ``hf_model`` until ``fuse_projections`` concatenates the fused groups
-    (those become copies); the rest stays shared.
+    (those become copies); the rest stays shared. gdn_mode: as in :func:`load_model` (default 'auto').
     """
     config = hf_model.config
     text = text_config(config)

@@ -41,7 +41,8 @@ class RuntimeCausalLM(nn.Module):
     layer_types: per layer 'full_attention' or 'linear_attention';
     num_kv_heads, head_dim, num_heads: attention shapes (for the KV cache);
     gdn_dims: kwargs of :class:`GDNState` besides layers/batch/dtype/device, or None;
-    gdn_mode: the GDN verify / commit implementation of new states (set by ``load_model`` or by hand).
+    gdn_mode: the GDN verify / commit implementation of new states (set by ``load_model`` or by hand);
+    'auto' (the default) is resolved per state by its device (``gdn_state.resolve_gdn_mode``).
     """
 
     KEY_MAP = None  # loading.KeyMap, set by each family
@@ -56,7 +57,9 @@ class RuntimeCausalLM(nn.Module):
         self.layer_types: list[str] = [ATTENTION] * self.num_layers
         self.num_heads = self.num_kv_heads = self.head_dim = 0
         self.gdn_dims: dict | None = None
-        self.gdn_mode = "reference"  # GDNState mode of new states: 'reference' | 'replay' | 'native'
+        # GDNState mode of new states: 'auto' | 'reference' | 'replay' | 'native'. 'auto' stays unresolved
+        # here so that a model moved to another device after loading still gets its device's mode.
+        self.gdn_mode = "auto"
 
     # ------------------------------------------------------------------ state
     def slots(self) -> list[int]:
@@ -71,7 +74,8 @@ class RuntimeCausalLM(nn.Module):
     def new_state(self, batch_size: int, max_len: int, device=None, gdn_mode: str | None = None) -> DecodeState:
         """Empty caches for ``batch_size`` rows of up to ``max_len`` positions (prompt + generated + one block).
 
-        gdn_mode: how GDN layers verify / commit (gdn_state.py); default ``self.gdn_mode``.
+        gdn_mode: how GDN layers verify / commit (gdn_state.py); default ``self.gdn_mode``; 'auto' is
+        resolved by ``device``.
         """
         weight = self.embed.weight
         device = weight.device if device is None else device

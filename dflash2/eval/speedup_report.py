@@ -1,0 +1,144 @@
+"""The files of ``eval.speedup``: results.json, results.md (tables) and step_breakdown.png (docs/ARCHITECTURE.md §6).
+
+Everything here reads the results dict of ``speedup.run_speedup`` and nothing else; a hybrid target's
+rows carry one AR + spec pair per GDN mode (the headline in the row itself, the others in
+``other_gdn_modes``), labelled with their mode, and the GDN section comes from ``speedup_gdn``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from dflash2.eval import speedup_gdn
+
+PHASES = ("draft", "verify", "accept", "commit", "gap")  # the step's phases as PhaseTimer names them
+
+
+def _label(method: str, mode: str | None) -> str:
+    """A method's name with its GDN mode (hybrid targets), e.g. 'runtime spec (native)'."""
+    return f"{method} ({mode})" if mode else method
+
+
+def _fmt(s: dict, digits: int = 2) -> str:
+    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}–{s['max']:.{digits}f}]"
+
+
+def markdown(results: dict) -> str:
+    bound = results["bound_ms_per_step"]
+    lines = [
+        f"# eval.speedup — {results['label']}",
+        "",
+        f"{results['date']}, {results['device']}, {results['dtype']}, block {results['block_size']}, "
+        f"attention {results.get('attention', 'default')}; "
+        f"weights read per step {results['weight_bytes'] / 1e9:.4g} GB, copy bandwidth "
+        f"{results['copy_bandwidth_GBps']:.0f} GB/s (measured in this run) -> bound {bound:.3f} ms/step. "
+        "Median [min–max] over runs.",
+        "",
+        "| batch | method | ms/step | tokens/s | τ | weight GB/s | % of bound | lossless |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for N, row in results["batches"].items():
+        methods = [("HF generate", "hf", row, None)] if "hf" in row else []
+        for mode, sub in speedup_gdn.mode_rows(row):  # hybrids: one AR + spec pair per GDN mode, labelled
+            methods += [(_label("runtime AR", mode), "ar", sub, sub), (_label("runtime spec", mode), "spec", sub, sub)]
+        for name, key, sub, lossless_of in methods:
+            r = sub[key]
+            ms = r["ms_per_step"]["median"]
+            tau = f"{r['tau']:.2f}" if "tau" in r else "1"
+            gbps = results["weight_bytes"] / ms / 1e6
+            frac = f"{bound / ms:.0%}" if key != "spec" else "—"
+            lossless = "" if key != "spec" else ("true" if lossless_of["lossless"] else "FALSE")
+            lines.append(
+                f"| {N} | {name} | {_fmt(r['ms_per_step'], 3)} | {_fmt(r['tokens_per_s'], 1)} | {tau} | "
+                f"{gbps:.4g} | {frac} | {lossless} |"
+            )
+    lines += ["", "Step breakdown (ms, median over runs of the per-run median):", ""]
+    lines += ["| batch | method | " + " | ".join(PHASES) + " |", "|---|---|" + "---|" * len(PHASES)]
+    for N, row in results["batches"].items():
+        for mode, sub in speedup_gdn.mode_rows(row):
+            for key in ("ar", "spec"):
+                ph = sub[key]["phases_ms"]
+                cells = [f"{ph[p]['median']:.3f}" if p in ph else "—" for p in PHASES]
+                lines.append(f"| {N} | {_label(key, mode)} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for N, row in results["batches"].items():
+        for mode, sub in speedup_gdn.mode_rows(row):
+            lines.append(
+                f"- batch {N}{f' ({mode})' if mode else ''}: verify-{results['block_size']} / AR step = "
+                f"{sub['verify_over_ar_step']:.2f}; measured spec/AR tokens/s = {sub['speedup_measured']:.2f}"
+                + (
+                    ""
+                    if results["random_weights"]
+                    else f" (τ {sub['spec']['tau']:.2f}, 0.6·τ = {0.6 * sub['spec']['tau']:.2f})"
+                )
+            )
+            for p in sub["predicted"]:
+                lines.append(f"  - **prediction** at τ = {p['tau']:.2f}: speedup {p['speedup']:.2f}× over runtime AR")
+            if sub["divergence"]:
+                lines.append(f"  - first divergence: {json.dumps(sub['divergence'])}")
+    lines += speedup_gdn.markdown_lines(results)
+    prof = results.get("profile_ar_batch1")
+    if prof:
+        lines += [
+            "",
+            f"Profile of one AR step at batch 1 ({prof['how']}): {prof['kernels_per_step']:.0f} kernels, "
+            f"{prof['kernel_us_per_step']:.0f} µs of kernel time, GEMM/GEMV {prof['gemm_us_per_step']:.0f} µs.",
+            "",
+            "| kernel | µs/step | calls/step |",
+            "|---|---|---|",
+        ]
+        lines += [f"| `{t['kernel'][:70]}` | {t['us_per_step']:.1f} | {t['calls_per_step']:.0f} |" for t in prof["top"]]
+    abl = results.get("ablation_ar_batch1_no_fused_kernels")
+    if abl:
+        lines += [
+            "",
+            f"Ablation: runtime AR batch 1 without the fused kernels (eager twins in the graphs): "
+            f"{_fmt(abl['ms_per_step'], 3)} ms/step ({bound / abl['ms_per_step']['median']:.0%} of bound).",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def plot_breakdown(results: dict, path: Path) -> bool:
+    """Stacked bars of the step-time breakdown per (batch, method); False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    labels, stacks = [], {p: [] for p in PHASES}
+    for N, row in results["batches"].items():
+        for mode, sub in speedup_gdn.mode_rows(row):
+            for key in ("ar", "spec"):
+                labels.append(f"{_label(key, mode)} b{N}")
+                for p in PHASES:
+                    stacks[p].append(sub[key]["phases_ms"].get(p, {"median": 0.0})["median"])
+    fig, ax = plt.subplots(figsize=(1.2 * len(labels) + 2, 4))
+    bottom = [0.0] * len(labels)
+    for p in PHASES:
+        ax.bar(labels, stacks[p], bottom=bottom, label=p)
+        bottom = [b + v for b, v in zip(bottom, stacks[p])]
+    ax.axhline(results["bound_ms_per_step"], color="k", ls="--", lw=1, label="weight-read bound")
+    ax.set_ylabel("ms per step")
+    ax.set_title(results["label"][:80], fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_results(results: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=_json_default))
+    (out / "results.md").write_text(markdown(results))
+    plot_breakdown(results, out / "step_breakdown.png")
+
+
+def _json_default(x):
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    return str(x)
