@@ -10,7 +10,7 @@ for what in "$@"; do
   case $what in
     tests)
       # kernels: their CUDA half runs here; graphs: all; engine: the cuda-marked ones
-      timeout 180 python -m pytest -q -p no:cacheprovider tests/test_runtime_kernels.py tests/test_runtime_graphs.py \
+      timeout 180 python -m pytest -q -p no:cacheprovider tests/test_runtime_kernels.py tests/test_runtime_attention.py tests/test_runtime_graphs.py \
         2>&1 | tail -25 | tee "$OUT/tests.log"
       timeout 120 python -m pytest -q -p no:cacheprovider -m cuda tests/test_runtime_engine.py 2>&1 | tail -15 \
         | tee -a "$OUT/tests.log" ;;

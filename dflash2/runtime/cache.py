@@ -32,20 +32,37 @@ import torch.nn.functional as F
 from dflash2.runtime.gdn_state import GDNState
 
 _SDPA_BACKENDS = None  # None: PyTorch's choice; else the allowed backends, in set_attention_backend's order
+_TRITON = False  # set_attention_backend("triton"): the decode-attention kernel where it applies
+TRITON_MAX_T = 16  # longer blocks (prefill) keep SDPA: the kernel is built for G·T decode / verify rows
 
 
 def set_attention_backend(name: str | None) -> None:
-    """Which fused SDPA kernel CUDA attention may use: None/'default' (PyTorch's choice: cuDNN on Hopper),
-    'efficient' (memory-efficient attention, else math). Why: for decode-sized queries (G·T rows) the
-    default cuDNN kernel is latency-bound and returns a layout that costs a copy (docs/BENCHMARKS.md).
-    Graphs keep the kernels chosen when they were captured."""
+    """Which kernel CUDA attention uses: None/'default' (SDPA, PyTorch's choice: cuDNN on Hopper),
+    'efficient' (SDPA's memory-efficient kernel, else math) or 'triton' (the split-K decode kernel,
+    :func:`~dflash2.runtime.kernels.attention.decode_attention`, for blocks of ≤ TRITON_MAX_T tokens
+    whose StepMeta says its mask rule; anything else, prefill included, keeps PyTorch's SDPA).
+    Why: for decode-sized queries (G·T rows) the default cuDNN kernel is latency-bound and returns a
+    layout that costs a copy (docs/BENCHMARKS.md). Graphs keep the kernels chosen when they were captured.
+    The triton kernel runs where the other fused kernels do (``kernels.use_triton``: CUDA tensors, or CPU
+    ones inside ``kernels.on_cpu()`` under Triton's interpreter) and ``kernels.kernels(False)`` turns it off."""
     from torch.nn.attention import SDPBackend
 
-    global _SDPA_BACKENDS
-    choices = {None: None, "default": None, "efficient": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]}
+    global _SDPA_BACKENDS, _TRITON
+    choices = {
+        None: None,
+        "default": None,
+        "efficient": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+        "triton": None,
+    }
     if name not in choices:
-        raise ValueError(f"attention backend {name!r}: use one of default, efficient")
+        raise ValueError(f"attention backend {name!r}: use one of default, efficient, triton")
     _SDPA_BACKENDS = choices[name]
+    _TRITON = name == "triton"
+
+
+def attention_backend() -> str:
+    """The name set_attention_backend last chose."""
+    return "triton" if _TRITON else "default" if _SDPA_BACKENDS is None else "efficient"
 
 
 @dataclass
@@ -57,12 +74,18 @@ class StepMeta:
     mask:        (N, 1, G·T, S) bool, True where a query may attend: query row g·T + t of row n sees
                  key positions ≤ positions[n, t] (the committed context and the block causally).
     kv_len:      S, the cache positions attended (a static bound ≤ S_max; positions beyond are never read).
+    mask_rule:   what ``mask`` says in terms of positions, for the Triton decode kernel, which reads the
+                 limits from ``positions`` instead of a dense mask: 'causal' (query t of row n sees keys
+                 ≤ positions[n, t]), 'block' (every query of row n sees keys ≤ positions[n, T-1]: the
+                 drafter's context + whole block), or None (only ``mask`` describes it, e.g. a sliding
+                 window: SDPA with the mask).
     """
 
     positions: torch.Tensor
     write_index: torch.Tensor | None
     mask: torch.Tensor | None
     kv_len: int
+    mask_rule: str | None = None
 
 
 class KVCache:
@@ -102,6 +125,10 @@ class KVCache:
         hkv = self.k.shape[2]
         k = self.k[slot, :, :, : meta.kv_len]  # (N, Hkv, S, D), a view
         v = self.v[slot, :, :, : meta.kv_len]
+        if _TRITON and meta.mask_rule is not None and T <= TRITON_MAX_T and _triton_applies(q):
+            from dflash2.runtime.kernels.attention import decode_attention
+
+            return decode_attention(q, k, v, meta.positions, causal=meta.mask_rule == "causal")
         # head h = j·G + g reads K/V head j (HF's repeat_kv order): fold g into the query length
         qg = q.reshape(N, hkv, self.groups * T, D)
         if _SDPA_BACKENDS is not None and q.is_cuda:
@@ -112,6 +139,13 @@ class KVCache:
         else:
             y = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.mask)  # (N, Hkv, G·T, D)
         return y.reshape(N, H, T, D)  # reshape: fused kernels may return a non-contiguous layout
+
+
+def _triton_applies(q: torch.Tensor) -> bool:
+    from dflash2.runtime.kernels import use_triton
+    from dflash2.runtime.kernels.attention import MAX_HEAD_DIM
+
+    return q.dtype in (torch.bfloat16, torch.float16, torch.float32) and q.shape[-1] <= MAX_HEAD_DIM and use_triton(q)
 
 
 class DecodeState:
@@ -149,7 +183,7 @@ class DecodeState:
         keys = torch.arange(kv_len, device=device)
         mask = keys[None, None, :] <= positions[:, :, None]  # (N, T, S)
         mask = mask.repeat(1, self.kv.groups, 1)[:, None]  # (N, 1, G·T, S), row g·T + t
-        return StepMeta(positions, write_index, mask, kv_len)
+        return StepMeta(positions, write_index, mask, kv_len, "causal")
 
     def commit(self, n: torch.Tensor) -> None:
         """Keep the first n[r] tokens of the last forward's block in row r; n (N,) long in [0, T].

@@ -70,9 +70,10 @@ class DraftContext:
         kv_len = self.kv.max_len if kv_len is None else kv_len
         keys = torch.arange(kv_len, device=device)
         mask = (keys[None, :] < (self.lengths + T)[:, None])[:, None, None, :]  # (N, 1, 1, S)
-        if window is not None:
-            inside = (positions[:, :, None] - keys).abs() < window  # (N, T, S)
-            mask = (mask & inside[:, None]).repeat(1, 1, self.kv.groups, 1)  # (N, 1, G·T, S)
+        if window is None:  # keys ≤ positions[n, T-1] for every query: the decode kernel's 'block' rule
+            return StepMeta(positions, write_index, mask, kv_len, "block")
+        inside = (positions[:, :, None] - keys).abs() < window  # (N, T, S)
+        mask = (mask & inside[:, None]).repeat(1, 1, self.kv.groups, 1)  # (N, 1, G·T, S)
         return StepMeta(positions, write_index, mask, kv_len)
 
 

@@ -9,7 +9,9 @@ These kernels fold each such group into one launch:
 * :func:`~dflash2.runtime.kernels.norm.add_rms_norm`: residual add + RMSNorm;
 * :func:`~dflash2.runtime.kernels.rope.qk_norm_rope_write`: per-head q/k RMSNorm, RoPE,
   and the K/V cache write of one attention layer;
-* :func:`~dflash2.runtime.kernels.act.silu_mul`: the SwiGLU activation.
+* :func:`~dflash2.runtime.kernels.act.silu_mul`: the SwiGLU activation;
+* :func:`~dflash2.runtime.kernels.attention.decode_attention`: split-K decode attention over
+  the static KV cache (``set_attention_backend("triton")``; its twin is a naive fp32 softmax).
 
 The Gated DeltaNet ops live in a folder each (docs/ARCHITECTURE.md §5.5): ``reference.py``
 (the plain-PyTorch twin, also ``GDNState``'s ``mode="reference"``), ``kernel.py`` (the
