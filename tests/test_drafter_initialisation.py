@@ -1,5 +1,6 @@
 """Same seed, same backbone: the initialisation that makes the v1 vs DFlash2 ablation fair (issue 11)."""
 
+import pytest
 import torch
 from test_drafter_model import tiny
 
@@ -72,3 +73,15 @@ def test_a_fresh_conv_variant_computes_what_fresh_v1_computes_at_the_same_seed()
     )
     with torch.no_grad():
         assert torch.equal(v1.training_forward(*args), conv.training_forward(*args))
+
+
+@pytest.mark.cuda
+def test_built_under_a_cuda_device_context_the_weights_equal_the_cpu_build():
+    """eval.speedup builds its random drafter under ``with torch.device("cuda")``: the seeded streams
+    still draw on the CPU (a CPU generator cannot fill a CUDA tensor), so the weights are the same."""
+    config = tiny(use_local_conv=True, use_selector=True)
+    with torch.device("cuda"):
+        on_gpu = DFlashDrafter(config, init_seed=5)
+    on_cpu = DFlashDrafter(config, init_seed=5)
+    for k, v in on_cpu.state_dict().items():
+        assert torch.equal(on_gpu.state_dict()[k].cpu(), v), k

@@ -51,7 +51,9 @@ def is_backbone_parameter(name: str) -> bool:
 @torch.no_grad()
 def normal_from(tensor: torch.Tensor, generator: torch.Generator, std: float = INIT_STD) -> None:
     """Fill ``tensor`` with N(0, std²) drawn on the CPU from ``generator`` (same values on any device)."""
-    tensor.copy_(torch.empty(tensor.shape, dtype=torch.float32).normal_(0.0, std, generator=generator))
+    # device="cpu" explicitly: a caller may build the drafter under ``with torch.device("cuda")``,
+    # which would otherwise put this buffer on the GPU, where the CPU generator cannot draw
+    tensor.copy_(torch.empty(tensor.shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=generator))
 
 
 @torch.no_grad()

@@ -68,7 +68,8 @@ class CandidateSelector(nn.Module):
             return
         with torch.no_grad():
             for p in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection.weight):
-                values = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, self.init_std, generator=generator)
+                values = torch.empty(p.shape, dtype=torch.float32, device="cpu")  # not the ambient device
+                values.normal_(0.0, self.init_std, generator=generator)
                 p.copy_(values)
 
     @torch.no_grad()
