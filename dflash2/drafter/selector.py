@@ -194,12 +194,15 @@ class CandidateSelector(nn.Module):
         weight=None,
         detach_hidden: bool = True,
         inject_gold: bool = False,
+        weight_total=None,
     ):
         """Teacher-forced candidate-set cross-entropy.
 
         hidden (N, P, d), logits (N, P, V), anchor_ids (N,), labels (N, P) long,
         label_mask (N, P) bool, weight optional (P,) or (N, P) per-position weights
         (e.g. the drafter's w_k). Returns (loss scalar, stats dict of detached 0-d tensors: no host sync).
+        ``weight_total``: maps the loss's Σw to the Σw it is divided by (default: itself; data-parallel
+        training passes a global one, ``dflash2.drafter.objective.WeightTotal``).
 
         * Predecessor at l is the TRUE previous token (anchor at l=0, labels[l-1]
           after), as the path would be after l accepted tokens.
@@ -247,7 +250,8 @@ class CandidateSelector(nn.Module):
         w = (label_mask if inject_gold else covered).float()
         if weight is not None:
             w = w * weight.to(w.dtype).expand_as(w)
-        loss = (ce * w).sum() / w.sum().clamp_min(1e-6)  # 0 (with a graph) when nothing is covered
+        total = w.sum() if weight_total is None else weight_total(w.sum())
+        loss = (ce * w).sum() / total.clamp_min(1e-6)  # 0 (with a graph) when nothing is covered
         with torch.no_grad():
             m = label_mask.float()
             denom = m.sum().clamp_min(1.0)
