@@ -9,8 +9,10 @@ import torch
 from dflash2.drafter.objective import (
     anchor_generator,
     block_labels,
+    block_metric_sums,
     block_metrics,
     expected_tau_from_accuracies,
+    metrics_from_sums,
     position_weights,
     sample_anchors,
     weighted_block_loss,
@@ -82,8 +84,21 @@ def test_metrics_acceptance_counts_leading_correct_drafts():
 
 
 def test_step_sampler_resumes_the_same_stream():
-    full = list(StepSampler(10, 4, total_steps=7, seed=3))
+    full = [key.index for batch in StepSampler(10, 4, total_steps=7, seed=3) for key in batch]
     assert len(full) == 28
-    resumed = list(StepSampler(10, 4, total_steps=7, seed=3, start_step=4))
+    resumed = [key.index for batch in StepSampler(10, 4, total_steps=7, seed=3, start_step=4) for key in batch]
     assert resumed == full[16:]
     assert sorted(full[:10]) == list(range(10))  # each epoch is a permutation
+
+
+def test_block_metrics_are_the_ratios_of_sums_that_add_over_parts():
+    torch.manual_seed(0)
+    labels = torch.randint(0, 3, (5, 4, 6))
+    preds = torch.where(torch.rand(5, 4, 6) < 0.7, labels, torch.randint(0, 3, (5, 4, 6)))
+    mask = torch.rand(5, 4, 6) > 0.2
+    whole = block_metrics(preds, labels, mask)
+    parts = sum(block_metric_sums(preds[rows], labels[rows], mask[rows]) for rows in (slice(0, 2), slice(2, 5)))
+    summed = metrics_from_sums(parts)
+    torch.testing.assert_close(summed["acc_per_position"], whole["acc_per_position"])
+    torch.testing.assert_close(summed["tau_estimate"], whole["tau_estimate"])
+    assert int(summed["blocks"]) == int(whole["blocks"]) > 0

@@ -1,37 +1,80 @@
 """LightningDataModule of drafter training: batches of regenerated sequences.
 
-Data order is a function of (seed, step) only: `StepSampler` walks seeded
-permutations of the dataset and starts at `global_step * batch_size`, so a run
-resumed from a checkpoint sees exactly the batches the uninterrupted run would
-have seen (no reliance on dataloader state). The step is read each time
-iteration starts, not when the loader is built: after a mid-epoch resume
-Lightning ends the shortened epoch early and iterates the same loader again,
-and that pass must start at the step actually reached.
+Data order is a function of (seed, step) only, whatever the number of processes: the global
+batch of step s is positions [s*B, (s+1)*B) of the run's index stream (B = data.batch_size, the
+*global* batch), the concatenation of seeded permutations of the dataset, one per epoch of the
+data. Rank r of a W-process run (DDP / FSDP) takes rows [r*B//W, (r+1)*B//W) of it: the ranks'
+slices are disjoint and together the global batch, so a run sees the same rows at every step at
+any world size, and a checkpoint resumes at another one. Lightning's DistributedSampler would
+re-shard the stream instead (each rank's epoch then ends after total_steps / W steps), so the
+trainer configs set ``use_distributed_sampler: false``.
+
+Each row carries its key (step, row in the global batch): the anchors of a row are drawn from
+an RNG keyed by (seed, step, row) (`row_anchor_generator`), the same on whichever rank it lands.
+
+The step is read each time iteration starts, not when the loader is built: a run resumed from
+a checkpoint starts there (no reliance on dataloader state), and after a mid-epoch resume
+Lightning ends the shortened epoch early and iterates the same loader again; that pass must
+start at the step actually reached. A "step" here is one loader batch: an optimizer step, or
+one of its ``trainer.accumulate_grad_batches`` micro-batches.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from dflash2.errors import DFlash2Error
 
 
-class StepSampler(Sampler[int]):
-    """Indices for steps [start_step, total_steps) of a run, `batch_size` per step.
+class RowKey(NamedTuple):
+    """One row of a step: dataset index, the step, and its place in the step's global batch."""
 
-    Epoch e of the data is permutation e (seeded by (seed, e)); the run's index
-    stream is their concatenation, cut to the run's steps. `start_step` is an
-    int or a callable returning the current step, read when iteration starts.
+    index: int
+    step: int
+    row: int
+
+
+def rank_rows(batch_size: int, rank: int, world_size: int) -> range:
+    """The rows of a global batch that rank ``rank`` of ``world_size`` takes: a contiguous slice,
+    sizes differing by one at most when ``world_size`` does not divide ``batch_size``."""
+    return range(rank * batch_size // world_size, (rank + 1) * batch_size // world_size)
+
+
+class StepSampler(Sampler[list[RowKey]]):
+    """Batches of steps [start_step, total_steps) of a run: this rank's rows of each global batch.
+
+    Epoch e of the data is permutation e (seeded by (seed, e)); the run's index stream is their
+    concatenation, global batch s its positions [s*batch_size, (s+1)*batch_size). ``start_step``
+    is an int or a callable returning the current step, read when iteration starts.
     """
 
     def __init__(
-        self, dataset_len: int, batch_size: int, total_steps: int, seed: int, start_step: int | Callable[[], int] = 0
+        self,
+        dataset_len: int,
+        batch_size: int,
+        total_steps: int,
+        seed: int,
+        start_step: int | Callable[[], int] = 0,
+        rank: int = 0,
+        world_size: int = 1,
     ):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside a world of {world_size}")
+        if batch_size < world_size:
+            raise DFlash2Error(
+                f"data.batch_size={batch_size} is the global batch (all processes together) and is smaller than "
+                f"the {world_size} processes of the run: raise data.batch_size to >= {world_size}"
+            )
         self.n, self.batch_size, self.total_steps, self.seed = dataset_len, batch_size, total_steps, seed
+        self.rank, self.world_size = rank, world_size
         self._start_step = start_step
+        self._perms: dict[int, np.ndarray] = {}
 
     @property
     def start_step(self) -> int:
@@ -39,21 +82,37 @@ class StepSampler(Sampler[int]):
         return min(max(0, int(step)), self.total_steps)
 
     def __len__(self) -> int:
-        return (self.total_steps - self.start_step) * self.batch_size
+        return self.total_steps - self.start_step
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}  # the stream only moves on
+            self._perms[epoch] = np.random.default_rng((self.seed, epoch)).permutation(self.n)
+        return self._perms[epoch]
+
+    def global_batch(self, step: int) -> list[int]:
+        """Dataset indices of step ``step``'s global batch, in row order (the same at any world size)."""
+        first = step * self.batch_size
+        return [int(self._permutation(p // self.n)[p % self.n]) for p in range(first, first + self.batch_size)]
 
     def __iter__(self):
-        first, last = self.start_step * self.batch_size, self.total_steps * self.batch_size
-        epoch = first // self.n
-        offset = first - epoch * self.n
-        produced = first
-        while produced < last:
-            perm = np.random.default_rng((self.seed, epoch)).permutation(self.n)
-            for i in perm[offset:]:
-                if produced >= last:
-                    return
-                yield int(i)
-                produced += 1
-            epoch, offset = epoch + 1, 0
+        rows = rank_rows(self.batch_size, self.rank, self.world_size)
+        for step in range(self.start_step, self.total_steps):
+            indices = self.global_batch(step)
+            yield [RowKey(indices[r], step, r) for r in rows]
+
+
+class KeyedRows(Dataset):
+    """The dataset read by `RowKey`: each row with its anchor key (step, global row) added."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: RowKey) -> dict:
+        return {**self.dataset[key.index], "anchor_key": (key.step, key.row)}
 
 
 def collate_sequences(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
@@ -65,6 +124,13 @@ def collate_sequences(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
         mask[i, : len(r["loss_mask"])] = torch.tensor(r["loss_mask"])
     return {"input_ids": ids, "loss_mask": mask}
+
+
+def collate_keyed_sequences(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """`collate_sequences` plus ``anchor_keys`` (N, 2) int64: each row's (step, row in the global batch)."""
+    batch = collate_sequences(rows, pad_id)
+    batch["anchor_keys"] = torch.tensor([r["anchor_key"] for r in rows], dtype=torch.long).view(len(rows), 2)
+    return batch
 
 
 class DrafterDataModule(L.LightningDataModule):
@@ -86,26 +152,42 @@ class DrafterDataModule(L.LightningDataModule):
         self.batch_size, self.total_steps, self.seed = batch_size, total_steps, seed
         self.pad_id, self.num_workers = pad_id, num_workers
 
+    def _accumulation(self) -> int:
+        return int(self.trainer.accumulate_grad_batches) if self.trainer is not None else 1
+
     def _current_step(self) -> int:
-        return int(self.trainer.global_step) if self.trainer is not None else 0
+        # Loader batches done: a checkpoint is written between optimizer steps, after all their micro-batches.
+        return int(self.trainer.global_step) * self._accumulation() if self.trainer is not None else 0
 
     def _collate(self, rows):
         return collate_sequences(rows, self.pad_id)
 
+    def _collate_keyed(self, rows):
+        return collate_keyed_sequences(rows, self.pad_id)
+
     def train_dataloader(self) -> DataLoader:
         # Lazy: the trainer restores global_step before iterating, and may iterate again after a
         # shortened resumed epoch; each pass starts at the step reached (see the module docstring).
-        sampler = StepSampler(len(self.train_dataset), self.batch_size, self.total_steps, self.seed, self._current_step)
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
+        sampler = StepSampler(
+            len(self.train_dataset),
+            self.batch_size,
+            self.total_steps * self._accumulation(),
+            self.seed,
+            self._current_step,
+            rank=rank,
+            world_size=world,
+        )
         return DataLoader(
-            self.train_dataset,
-            batch_size=self.batch_size,
-            sampler=sampler,
-            collate_fn=self._collate,
+            KeyedRows(self.train_dataset),
+            batch_sampler=sampler,
+            collate_fn=self._collate_keyed,
             num_workers=self.num_workers,
-            drop_last=False,
         )
 
     def val_dataloader(self) -> DataLoader:
+        # Not sharded: every rank runs the whole validation split, so the logged numbers are the
+        # one-process ones exactly (the split is small; the cost is W-fold redundant work).
         return DataLoader(
             self.val_dataset,
             batch_size=self.batch_size,

@@ -2,8 +2,11 @@
 
 Each step: target taps for the batch under no_grad (online; the target is
 frozen and never part of the optimised or checkpointed state), anchors redrawn
-from an RNG keyed by (seed, step), all blocks of a sequence in one drafter
-forward with the block-sparse mask, decay-weighted CE plus the selector's loss.
+from an RNG keyed by (seed, step, row of the global batch), all blocks of a sequence
+in one drafter forward with the block-sparse mask, decay-weighted CE plus the
+selector's loss. Under DDP / FSDP each rank holds a slice of the global batch; the
+losses are normalised and the logged metrics summed over the ranks, so both are
+those of the global batch (dflash2/training/data_parallel.py).
 """
 
 from __future__ import annotations
@@ -14,14 +17,20 @@ import lightning as L
 import torch
 
 from dflash2.drafter.objective import (
+    WeightTotal,
     anchor_generator,
     block_labels,
+    block_metric_sums,
     block_metrics,
+    metrics_from_sums,
+    own_weight_total,
     position_weights,
+    row_anchor_generator,
     sample_anchors,
     weighted_block_loss,
 )
 from dflash2.errors import DFlash2Error
+from dflash2.training.data_parallel import all_reduce_sum, global_weight_share, world_size
 from dflash2.training.preflight import drafter_config_differences
 from dflash2.training.schedule import cosine_with_warmup
 
@@ -46,7 +55,23 @@ class DrafterTrainingModule(L.LightningModule):
         selector_gold_injection: bool = False,
     ):
         super().__init__()
+        # What `with_drafter` needs to build the same module around another drafter object.
+        self._settings = dict(
+            num_anchors=num_anchors,
+            loss_gamma=loss_gamma,
+            selector_loss_weight=selector_loss_weight,
+            lr=lr,
+            weight_decay=weight_decay,
+            warmup_ratio=warmup_ratio,
+            total_steps=total_steps,
+            seed=seed,
+            target_id=target_id,
+            selector_gold_injection=selector_gold_injection,
+        )
         self.drafter = drafter
+        # Weight decay goes to matrices. Decided here, on the parameters as built: FSDP replaces them by
+        # flat 1-D shards before configure_optimizers, where `ndim >= 2` would silently exempt them all.
+        self._decayed = {name for name, p in drafter.named_parameters() if p.ndim >= 2}
         # Kept outside the module tree on purpose: its weights must not enter
         # checkpoints or the optimizer; `on_fit_start` moves it with us.
         object.__setattr__(self, "target", target)
@@ -72,9 +97,21 @@ class DrafterTrainingModule(L.LightningModule):
     def block_size(self) -> int:
         return self.drafter.config.block_size
 
+    def with_drafter(self, drafter: torch.nn.Module) -> DrafterTrainingModule:
+        """This module's settings and target around ``drafter`` (FSDP: a gathered, unsharded copy)."""
+        return DrafterTrainingModule(drafter, self.target, **self._settings)
+
     # ---------------------------------------------------------------- the step
-    def block_outputs(self, batch: dict, generator: torch.Generator) -> dict:
-        """Forward of one batch: losses, predictions and labels. Shapes in comments."""
+    def block_outputs(
+        self,
+        batch: dict,
+        generator: torch.Generator | list[torch.Generator],
+        weight_total: WeightTotal = own_weight_total,
+    ) -> dict:
+        """Forward of one batch: losses, predictions and labels. Shapes in comments.
+
+        ``generator``: the anchors' RNG, one for the batch or one per row; ``weight_total``: the
+        losses' normaliser (`dflash2.drafter.objective.WeightTotal`)."""
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # (N, L)
         # The target runs in its own dtype (target.dtype), outside the drafter's mixed-precision
         # autocast: the taps are then the ones it produces when served; the drafter casts them.
@@ -96,7 +133,7 @@ class DrafterTrainingModule(L.LightningModule):
         logits = self.drafter.block_logits(drafted, self.target.head_logits, raw=raw)
         labels, label_mask = block_labels(input_ids, loss_mask, anchors, valid, self.block_size)
         weights = position_weights(self.block_size, self.loss_gamma, device=logits.device)
-        ce = weighted_block_loss(logits, labels, label_mask, weights)
+        ce = weighted_block_loss(logits, labels, label_mask, weights, weight_total)
         out = {"ce": ce, "loss": ce, "predictions": raw.argmax(-1), "labels": labels, "label_mask": label_mask}
         selector = getattr(self.drafter, "candidate_selector", None)
         if selector is not None:
@@ -109,6 +146,7 @@ class DrafterTrainingModule(L.LightningModule):
                 flat(labels),
                 flat(label_mask),
                 inject_gold=self.selector_gold_injection,
+                weight_total=weight_total,
             )
             out["selector_loss"], out["selector_stats"] = sel_loss, sel_stats
             out["loss"] = ce + self.selector_loss_weight * sel_loss
@@ -136,30 +174,75 @@ class DrafterTrainingModule(L.LightningModule):
         return metrics
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        out = self.block_outputs(batch, anchor_generator(self.seed, self.global_step))
-        if not torch.isfinite(out["loss"]):
+        # Each row's anchors from its own (seed, step, global row): the same on any rank (drafter_data.py).
+        keys = batch["anchor_keys"].tolist()
+        generators = [row_anchor_generator(self.seed, step, row) for step, row in keys]
+        out = self.block_outputs(batch, generators, weight_total=global_weight_share)
+        logs = self._global_train_logs(out, batch)
+        if not torch.isfinite(logs["train/loss"]):  # the global loss: every rank stops together
             raise DFlash2Error(
-                f"drafter loss became {out['loss'].item()} at step {self.global_step}; "
+                f"drafter loss became {logs['train/loss'].item()} at step {self.global_step}; "
                 "training stopped and the last good checkpoint is kept under the run's checkpoints/ "
                 "(resume with ckpt_path=last); lower drafter.lr or use fp32"
             )
-        self._log_block_metrics("train", out, prog_bar=False)
-        self.log("train/loss_bar", out["loss"].detach(), prog_bar=True, logger=False)
+        tokens = logs.pop("tokens")
+        self.log_dict(logs, prog_bar=False)
+        self.log("train/loss_bar", logs["train/loss"], prog_bar=True, logger=False)
         now = time.perf_counter()
         if self._last_step_time is not None:
-            self.log("train/tokens_per_s", batch["input_ids"].numel() / (now - self._last_step_time))
+            self.log("train/tokens_per_s", tokens / (now - self._last_step_time))
         self._last_step_time = now
         return out["loss"]
 
+    def _global_train_logs(self, out: dict, batch: dict) -> dict:
+        """The step's metrics over the global batch, as one process logs them: losses are means over
+        ranks of the per-rank shares (data_parallel.py), accuracies and the τ estimate come from
+        counts summed over ranks. One all-reduce of one vector (none with one process)."""
+        parts = {
+            "loss": out["loss"].detach().double()[None],
+            "ce": out["ce"].detach().double()[None],
+            "tokens": torch.tensor([float(batch["input_ids"].numel())], dtype=torch.float64, device=self.device),
+            "counts": block_metric_sums(out["predictions"], out["labels"], out["label_mask"]),
+        }
+        if "selector_loss" in out:
+            labelled = out["label_mask"].sum().double()
+            stats = out["selector_stats"]  # ratios over this rank's labelled positions: weigh them back to sums
+            parts["selector_loss"] = out["selector_loss"].detach().double()[None]
+            parts["selector_counts"] = block_metric_sums(out["selector_predictions"], out["labels"], out["label_mask"])
+            parts["selector_stats"] = torch.stack([stats[k].double() * labelled for k in sorted(stats)])
+            parts["labelled"] = labelled[None]
+        sizes = [t.numel() for t in parts.values()]
+        flat = all_reduce_sum(torch.cat([t.to(self.device) for t in parts.values()]))
+        summed = dict(zip(parts, flat.split(sizes)))
+        world = world_size()
+        metrics = metrics_from_sums(summed["counts"])
+        logs = {
+            "train/loss": (summed["loss"][0] / world).float(),
+            "train/ce": (summed["ce"][0] / world).float(),
+            "train/tau_estimate": metrics["tau_estimate"],
+            "tokens": float(summed["tokens"][0]),
+        }
+        for k, a in enumerate(metrics["acc_per_position"], start=1):
+            logs[f"train/acc_pos{k}"] = a
+        if "selector_loss" in out:
+            logs["train/selector_loss"] = (summed["selector_loss"][0] / world).float()
+            logs["train/selector_tau_estimate"] = metrics_from_sums(summed["selector_counts"])["tau_estimate"]
+            labelled = summed["labelled"][0].clamp_min(1.0)
+            for name, value in zip(sorted(out["selector_stats"]), summed["selector_stats"]):
+                logs[f"train/selector_{name}"] = (value / labelled).float()
+        return logs
+
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         out = self.block_outputs(batch, anchor_generator(self.seed + 1, batch_idx))  # fixed anchors every validation
+        # Every rank runs the whole validation split (drafter_data.py): the values are the same on every
+        # rank, and rank 0's are logged as they are (no sync_dist: nothing to average).
         self._log_block_metrics("val", out, prog_bar=False, batch_size=batch["input_ids"].shape[0])
 
     # -------------------------------------------------------------- optimiser
     def configure_optimizers(self):
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
-        decay = [p for p in params if p.ndim >= 2]
-        no_decay = [p for p in params if p.ndim < 2]
+        named = [(n, p) for n, p in self.drafter.named_parameters() if p.requires_grad]
+        decay = [p for n, p in named if n in self._decayed]
+        no_decay = [p for n, p in named if n not in self._decayed]
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=self.lr,
@@ -167,6 +250,19 @@ class DrafterTrainingModule(L.LightningModule):
         )
         scheduler = cosine_with_warmup(optimizer, int(self.warmup_ratio * self.total_steps), self.total_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Lightning's clipping, except under FSDP: there each rank holds a shard of the gradients, so the
+        norm must be taken over all shards by the FSDP root (`clip_grad_norm_`, a collective), and
+        Lightning's FSDP precision plugin refuses norm clipping rather than clip each shard alone."""
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if not gradient_clip_val or not isinstance(self.trainer.strategy, FSDPStrategy):
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            return
+        if gradient_clip_algorithm not in (None, "norm"):
+            raise DFlash2Error(f"gradient_clip_algorithm={gradient_clip_algorithm} under FSDP: use norm clipping")
+        self.trainer.strategy.model.clip_grad_norm_(float(gradient_clip_val))
 
     # ------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict) -> None:
