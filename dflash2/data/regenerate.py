@@ -189,10 +189,13 @@ def regenerate_split(
     cache_dir: Path,
     target_id: str,
     device: str = "cpu",
+    missing_hint: str | None = None,
 ):
     """Build or load the regenerated dataset of one corpus split; returns a `datasets.Dataset`.
 
-    `data` is the plain dict of the `data` config group; `target` a TargetModel.
+    `data` is the plain dict of the `data` config group; `target` a TargetModel. With
+    `missing_hint`, a split that is not in the cache is an error (with that hint) instead of
+    being generated: a process that must not generate (one of several started at once) says so.
     """
     import datasets
 
@@ -208,6 +211,8 @@ def regenerate_split(
         if (final / CHAT_ROWS).exists():  # the summary of skipped rows, again for this run's log
             log.info(json.loads((final / CHAT_ROWS).read_text())["summary"])
         return datasets.load_from_disk(str(final))
+    if missing_hint is not None:
+        raise DFlash2Error(f"the regenerated {split} data is not in the cache ({final}); {missing_hint}")
 
     counts = RowCounts() if template is not None else None
     batches = prompt_batches(tokenizer, data, split=split, num_prompts=num_prompts, seed=seed, counts=counts)

@@ -47,6 +47,7 @@ from dflash2.safe_load import load_torch_file
 from dflash2.target_recipe import hybrid_target_config
 from dflash2.tokenizer import EOS_TOKEN, PAD_TOKEN, encode_documents, train_bpe_tokenizer, wrap_tokenizer
 from dflash2.training.atomic_checkpoint_io import AtomicCheckpointIO
+from dflash2.training.launch import PREPARE_FIRST, external_world_size
 from dflash2.training.target_pretrain import (
     CausalLMPretrainModule,
     RandomWindows,
@@ -112,6 +113,8 @@ def ensure_target(cfg: DictConfig) -> Path | str:
         log.info("reusing cached target %s", final)
         shutil.rmtree(build_work_dir(final), ignore_errors=True)  # left if a build died right after publishing
         return final
+    if external_world_size() > 1:
+        raise DFlash2Error(f"the target is not built yet ({final}); {PREPARE_FIRST}")
     with _build_lock(final):  # builds of one target share a work folder: one at a time
         if not (final / BUILD_INFO).exists():  # else built by the process we waited for
             build_embedded_target(cfg, final)
@@ -154,7 +157,13 @@ def publish_target(source: Path | str, output_dir: Path) -> Path | str:
     tmp = output_dir / f".target.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(source, tmp)
-    os.replace(tmp, dest)
+    try:
+        os.replace(tmp, dest)
+    except OSError:
+        # Another rank of a torchrun / SLURM launch (all start at once) published the same copy first.
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not dest.is_dir():
+            raise
     return dest
 
 

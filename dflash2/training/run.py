@@ -54,6 +54,8 @@ def run_from_config(cfg: DictConfig) -> dict:
         from dflash2.training.train_drafter import train_drafter
 
         summary["drafter"] = train_drafter(cfg, target_dir, output_dir)
+        if summary["drafter"] is None:  # not global rank 0 of a multi-process run: rank 0 writes the files
+            return summary
     (output_dir / "run_summary.json").write_text(json.dumps(summary, indent=2, default=str))
     log.info(f"done; everything is under {output_dir} (run_summary.json)")
     return summary

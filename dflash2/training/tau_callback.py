@@ -10,6 +10,10 @@ prompt parts of the regenerated validation sequences, never the held-out-eval sp
 
 Cost on the embedded tiny pair (CPU, 4 prompts × 64 tokens): about a second
 per call, so it is on by default.
+
+Multi-process runs: global rank 0 decodes, with the whole drafter (under FSDP a copy gathered from
+the shards: dflash2/training/full_drafter.py), and logs; the other ranks go on and wait for it at
+the next step's first collective. Decoding on every rank would give the same number W times.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import lightning as L
 import torch
 
 from dflash2.decoding import speculative_generate
+from dflash2.training.full_drafter import drafter_on_rank_zero
 
 
 class MeasuredTauCallback(L.Callback):
@@ -42,7 +47,11 @@ class MeasuredTauCallback(L.Callback):
         prompts = self._prompts(trainer)
         if not prompts:
             return
-        target, drafter = module.target, module.drafter
+        drafter = drafter_on_rank_zero(trainer, module)  # every rank calls it: FSDP gathers
+        if drafter is None:
+            return
+        target = module.target
+        drafter = drafter.to(module.device)  # a gathered FSDP copy comes on the CPU; otherwise a no-op
         was_training = drafter.training
         drafter.eval()
         tokenizer = target.tokenizer

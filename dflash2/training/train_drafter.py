@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -31,6 +32,8 @@ from dflash2.target_dtype import resolve_target_dtype
 from dflash2.training.build_target import to_plain as plain
 from dflash2.training.drafter_data import DrafterDataModule, collate_sequences
 from dflash2.training.drafter_module import DrafterTrainingModule
+from dflash2.training.full_drafter import check_supported_strategy, drafter_on_rank_zero
+from dflash2.training.launch import PREPARE_FIRST, external_world_size
 from dflash2.training.preflight import (
     check_blocks_fit_the_data,
     check_resume_checkpoint,
@@ -62,7 +65,9 @@ def load_target(cfg: DictConfig, target_dir) -> TargetModel:
     )
 
 
-def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
+def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict | None:
+    """Train, then (global rank 0 only) export, report and measure; returns the run's summary on
+    rank 0 and None on the other ranks of a multi-process run, which write nothing."""
     seed = int(cfg.seed)
     target = load_target(cfg, target_dir)
     data = plain(cfg.data)
@@ -132,11 +137,24 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     )
     loggers = instantiate_loggers(cfg, resume_step)
     trainer: L.Trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=instantiate_callbacks(cfg))
-    with explain_oom("drafter training", knob_hints(cfg, TRAINING_KNOBS), extra=OOM_TRAINING_ADVICE):
+    check_supported_strategy(trainer)
+    with (
+        warnings.catch_warnings(),
+        explain_oom("drafter training", knob_hints(cfg, TRAINING_KNOBS), extra=OOM_TRAINING_ADVICE),
+    ):
+        # Multi-process: Lightning suggests sync_dist for every epoch-level val/ metric; every rank runs the
+        # whole validation split and holds the same values (drafter_data.py), so there is nothing to sync.
+        warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('val/")
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
 
+    # Every rank calls it (FSDP gathers the shards); from here on rank 0 alone writes the run's files.
+    trained = drafter_on_rank_zero(trainer, module)
+    if trained is None:
+        return None
+    if trained is not module.drafter:  # FSDP: a gathered copy; report with it, not with the shards
+        module = module.with_drafter(trained)
     drafter_dir = output_dir / "drafter"
-    save_drafter(drafter.float().cpu(), drafter_dir)
+    save_drafter(trained.float().cpu(), drafter_dir)
     log.info(f"drafter saved to {drafter_dir}")
 
     with explain_oom(
@@ -175,13 +193,15 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
 
 def regeneration_settings(cfg: DictConfig, target_dir) -> dict:
     """Keyword arguments of ``regenerate_split`` shared by every split. ``data.seed`` (null = the run's seed)
-    picks the prompts and sampling: runs with other training seeds can share one data set (the ablation)."""
+    picks the prompts and sampling: runs with other training seeds can share one data set (the ablation).
+    Under torchrun / SLURM the data must be in the cache already (dflash2/training/launch.py)."""
     data_seed = cfg.data.get("seed")
     return dict(
         seed=int(cfg.seed if data_seed is None else data_seed),
         cache_dir=Path(cfg.paths.cache_dir),
         target_id=str(target_dir),
         device=regeneration_device(cfg),
+        missing_hint=PREPARE_FIRST if external_world_size() > 1 else None,
     )
 
 
