@@ -33,7 +33,7 @@ def _compose(overrides, tmp_path):
 def test_expected_groups_exist():
     for group in ["target", "drafter", "data", "trainer", "logger", "callbacks", "paths", "experiment", "debug"]:
         assert GROUPS.get(group), f"config group {group}/ is missing"
-    assert {"cpu", "gpu", "ddp", "fsdp"} <= set(GROUPS["trainer"])
+    assert {"cpu", "gpu", "ddp", "ddp_cpu", "fsdp"} <= set(GROUPS["trainer"])
     assert {"wandb", "tensorboard", "csv"} <= set(GROUPS["logger"])
 
 
@@ -45,9 +45,13 @@ def test_every_option_composes(group, option, tmp_path, monkeypatch):
     cfg = _compose([f"{group}={option}"], tmp_path)
     OmegaConf.resolve(cfg)  # every interpolation resolves
     assert cfg.paths.output_dir == str(tmp_path)
-    if group == "trainer" and option in ("cpu",):
+    if group == "trainer":
+        # the step sampler shards the global batch itself (dflash2/training/drafter_data.py)
+        assert cfg.trainer.use_distributed_sampler is False
+    if group == "trainer" and option in ("cpu", "ddp_cpu"):
         trainer = instantiate(cfg.trainer, logger=False, enable_progress_bar=False)
         assert trainer.max_steps == cfg.trainer.max_steps
+        assert trainer.world_size == cfg.trainer.devices
     if group == "logger":
         if option == "wandb":
             pytest.importorskip("wandb", reason="a dependency, but absent from the bare GPU image")

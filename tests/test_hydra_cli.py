@@ -59,7 +59,7 @@ def test_info_shows_the_defaults_of_the_given_overrides(tmp_path):
 def test_help_lists_groups_and_hydra_help_lists_flags(tmp_path):
     app = train_py("--help", cwd=tmp_path)
     assert app.returncode == 0, app.stderr
-    assert "drafter: dflash, dflash2" in app.stdout and "trainer: cpu, ddp, default, fsdp, gpu" in app.stdout
+    assert "drafter: dflash, dflash2" in app.stdout and "trainer: cpu, ddp, ddp_cpu, default, fsdp, gpu" in app.stdout
     hydra = train_py("--hydra-help", cwd=tmp_path)
     assert hydra.returncode == 0 and "--multirun,-m" in hydra.stdout
 
@@ -99,7 +99,7 @@ def test_a_sweep_is_checked_with_every_group_option_but_one_value_per_plain_key(
         ["seed=0", "drafter=dflash2", "~callbacks.progress_bar"],
     ]
     globbed = _jobs(["trainer=glob(*,exclude=default)"])
-    assert sorted(job[0] for job in globbed) == [f"trainer={t}" for t in ("cpu", "ddp", "fsdp", "gpu")]
+    assert sorted(job[0] for job in globbed) == [f"trainer={t}" for t in ("cpu", "ddp", "ddp_cpu", "fsdp", "gpu")]
 
 
 @pytest.mark.slow

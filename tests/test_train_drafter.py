@@ -277,8 +277,8 @@ def test_nan_loss_stops_with_a_message_and_keeps_the_last_good_checkpoint(tmp_pa
 
     real = DrafterTrainingModule.block_outputs
 
-    def poisoned(self, batch, generator):
-        out = real(self, batch, generator)
+    def poisoned(self, batch, generator, **kw):
+        out = real(self, batch, generator, **kw)
         if self.training and self.global_step >= 4:
             out["loss"] = out["loss"] * float("nan")
         return out
