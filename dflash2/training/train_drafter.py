@@ -161,9 +161,9 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict | None:
         "the held-out report",
         knob_hints(cfg, ("data.generation_batch_size", "data.batch_size", "data.num_val_prompts")),
     ):
-        heldout_ds = regenerate_split(
-            target, data, split="heldout", num_prompts=_count(data["num_val_prompts"]), **common
-        )
+        # Only rank 0 is here after training: it may generate the split whatever the launcher.
+        count, anyone = _count(data["num_val_prompts"]), {**common, "missing_hint": None}
+        heldout_ds = regenerate_split(target, data, split="heldout", num_prompts=count, **anyone)
         report = heldout_report(
             module.to(device), heldout_ds, train_ds, pad_id=pad_id, batch_size=int(data["batch_size"]), seed=seed
         )
