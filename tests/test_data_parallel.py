@@ -59,6 +59,17 @@ def test_rank_slices_are_the_global_batch_at_any_world_size(batch_size):
         assert [[k for r in range(world) for k in resumed[r][i]] for i in range(steps - 3)] == one[3:]
 
 
+def test_with_gradient_accumulation_a_step_is_a_micro_batch_and_resumes_after_whole_optimizer_steps():
+    from dflash2.training.drafter_data import DrafterDataModule
+
+    data = DrafterDataModule(_rows(), [], batch_size=4, total_steps=5, seed=0, pad_id=0)
+    data.trainer = SimpleNamespace(accumulate_grad_batches=3, global_step=2, global_rank=1, world_size=2)
+    sampler = data.train_dataloader().batch_sampler
+    assert (sampler.start_step, sampler.total_steps, len(sampler)) == (6, 15, 9)  # 2 optimizer steps = 6 batches
+    first = next(iter(sampler))
+    assert [(key.step, key.row) for key in first] == [(6, 2), (6, 3)]  # rank 1's half of batch 6
+
+
 def test_a_global_batch_smaller_than_the_world_is_a_one_line_error():
     with pytest.raises(DFlash2Error, match=r"data.batch_size=2 is the global batch .* raise data.batch_size to >= 4"):
         StepSampler(10, 2, 3, seed=0, rank=0, world_size=4)
@@ -282,6 +293,15 @@ def test_launchers_that_start_every_rank_at_once_are_told_to_prepare_first(monke
     assert (external_world_size(), external_rank()) == (2, 1)
     assert rank_job_overrides(["a=1"]) == ["hydra.job.name=train_rank1", "hydra.output_subdir=null"]
     assert rank_job_overrides(["hydra.job.name=mine"]) == []
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_JOB_NAME", "train")
+    assert (external_world_size(), external_rank()) == (4, 3)
+    monkeypatch.setenv("SLURM_JOB_NAME", "interactive")  # Lightning's rule: srun is not the launcher then
+    assert (external_world_size(), external_rank()) == (1, 0)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
 
     dated = OmegaConf.create({"paths": {"output_dir": "outputs/${now:%H-%M-%S}"}})
     assert "set paths.output_dir=DIR" in one_folder_problem(dated, [])
