@@ -33,6 +33,7 @@ from dflash2.training.drafter_data import DrafterDataModule, collate_sequences
 from dflash2.training.drafter_module import DrafterTrainingModule
 from dflash2.training.preflight import (
     check_blocks_fit_the_data,
+    check_loss_chunk_positions,
     check_resume_checkpoint,
     check_sequences_fit_the_context,
     resolve_ckpt_path,
@@ -82,6 +83,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     chat_template = chat_template_of(data, target.tokenizer) if data.get("chat") else None
     drafter.config.training_data = training_data_record(data, common["seed"], chat_template)
     check_blocks_fit_the_data(drafter.config, int(settings["num_anchors"]), data)
+    loss_chunk = check_loss_chunk_positions(settings.get("loss_chunk_positions"))
     check_sequences_fit_the_context(data, config.max_position_embeddings)
     resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
     resume_step = check_resume_checkpoint(resume_from, drafter.config) if resume_from is not None else None
@@ -115,6 +117,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
         seed=seed,
         target_id=str(target_dir),
         selector_gold_injection=bool(settings.get("selector_gold_injection", False)),
+        loss_chunk_positions=loss_chunk,
     )
     pad_id = (
         target.tokenizer.pad_token_id
