@@ -51,6 +51,15 @@ OOM_TRAINING_ADVICE = (
 )
 
 
+def training_oom_hints(cfg: DictConfig, loss_chunk: int) -> tuple[list[str], str]:
+    """The knobs and advice of an out-of-memory error in training: with the chunked loss on, its chunk is one
+    more size to lower; with it off, turning it on drops the logits of every position (docs/TRAINING.md)."""
+    hints = knob_hints(cfg, TRAINING_KNOBS)
+    if loss_chunk:
+        return [*hints, f"drafter.loss_chunk_positions={loss_chunk}"], OOM_TRAINING_ADVICE
+    return hints, " (or set drafter.loss_chunk_positions=1024," + OOM_TRAINING_ADVICE.removeprefix(" (or")
+
+
 def load_target(cfg: DictConfig, target_dir) -> TargetModel:
     """The frozen target in ``target.dtype`` (auto: bf16 when the run uses a GPU, else fp32), loaded on the CPU;
     regeneration and training move it to their device."""
@@ -135,7 +144,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     )
     loggers = instantiate_loggers(cfg, resume_step)
     trainer: L.Trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=instantiate_callbacks(cfg))
-    with explain_oom("drafter training", knob_hints(cfg, TRAINING_KNOBS), extra=OOM_TRAINING_ADVICE):
+    with explain_oom("drafter training", *training_oom_hints(cfg, loss_chunk)):
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
 
     drafter_dir = output_dir / "drafter"
