@@ -1,4 +1,5 @@
-"""Cross-entropy through the frozen LM head, chunk by chunk (issue 15; docs/TRAINING.md "Chunked head loss").
+"""Cross-entropy through the frozen LM head, chunk by chunk (issue 15; docs/TRAINING.md "Chunked loss through
+the LM head").
 
 Training reads five things off the drafter's logits at each of the M = N·A·P drafted positions
 (ARCHITECTURE.md §2.6, §3.2). With r_m = W h_m + b the raw logits (the head's compute dtype) and
@@ -90,7 +91,7 @@ def chunked_head_outputs(
     )
     ce, argmax, top_ids, top_raw, label_raw = outs
     return HeadOutputs(
-        ce.view(lead), argmax.view(lead), top_ids.view(*lead, -1), top_raw.view(*lead, -1), label_raw.view(lead)
+        ce.view(lead), argmax.view(lead), top_ids.view(*lead, top_k), top_raw.view(*lead, top_k), label_raw.view(lead)
     )
 
 
