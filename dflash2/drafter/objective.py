@@ -67,6 +67,12 @@ def weighted_block_loss(
 ) -> torch.Tensor:
     """Σ w_k·CE_k / Σ w_k over valid positions. logits (N, A, P, V); weights (P,)."""
     ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
+    return weighted_position_loss(ce, label_mask, weights)
+
+
+def weighted_position_loss(ce: torch.Tensor, label_mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ w_k·CE_k / Σ w_k over valid positions from per-position CE (N, A, P) fp32 (the chunked head's, or
+    ``weighted_block_loss``'s from full logits); label_mask (N, A, P) bool; weights (P,)."""
     w = weights.view(1, 1, -1) * label_mask
     return (ce * w).sum() / w.sum().clamp_min(1e-8)
 

@@ -33,6 +33,7 @@ from dflash2.training.drafter_data import DrafterDataModule, collate_sequences
 from dflash2.training.drafter_module import DrafterTrainingModule
 from dflash2.training.preflight import (
     check_blocks_fit_the_data,
+    check_loss_chunk_positions,
     check_resume_checkpoint,
     check_sequences_fit_the_context,
     resolve_ckpt_path,
@@ -48,6 +49,15 @@ OOM_TRAINING_ADVICE = (
     " (or set trainer.precision=bf16-mixed, or halve data.batch_size and set trainer.accumulate_grad_batches=2),"
     " then resume with ckpt_path=last"
 )
+
+
+def training_oom_hints(cfg: DictConfig, loss_chunk: int) -> tuple[list[str], str]:
+    """The knobs and advice of an out-of-memory error in training: with the chunked loss on, its chunk is one
+    more size to lower; with it off, turning it on drops the logits of every position (docs/TRAINING.md)."""
+    hints = knob_hints(cfg, TRAINING_KNOBS)
+    if loss_chunk:
+        return [*hints, f"drafter.loss_chunk_positions={loss_chunk}"], OOM_TRAINING_ADVICE
+    return hints, " (or set drafter.loss_chunk_positions=1024," + OOM_TRAINING_ADVICE.removeprefix(" (or")
 
 
 def load_target(cfg: DictConfig, target_dir) -> TargetModel:
@@ -82,6 +92,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     chat_template = chat_template_of(data, target.tokenizer) if data.get("chat") else None
     drafter.config.training_data = training_data_record(data, common["seed"], chat_template)
     check_blocks_fit_the_data(drafter.config, int(settings["num_anchors"]), data)
+    loss_chunk = check_loss_chunk_positions(settings.get("loss_chunk_positions"))
     check_sequences_fit_the_context(data, config.max_position_embeddings)
     resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
     resume_step = check_resume_checkpoint(resume_from, drafter.config) if resume_from is not None else None
@@ -115,6 +126,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
         seed=seed,
         target_id=str(target_dir),
         selector_gold_injection=bool(settings.get("selector_gold_injection", False)),
+        loss_chunk_positions=loss_chunk,
     )
     pad_id = (
         target.tokenizer.pad_token_id
@@ -132,7 +144,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
     )
     loggers = instantiate_loggers(cfg, resume_step)
     trainer: L.Trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=instantiate_callbacks(cfg))
-    with explain_oom("drafter training", knob_hints(cfg, TRAINING_KNOBS), extra=OOM_TRAINING_ADVICE):
+    with explain_oom("drafter training", *training_oom_hints(cfg, loss_chunk)):
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
 
     drafter_dir = output_dir / "drafter"
