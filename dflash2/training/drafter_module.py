@@ -1,7 +1,7 @@
 """LightningModule that trains a drafter against a frozen target (issue 3, ARCHITECTURE.md §2.6, §3).
 
-Each step: target taps for the batch under no_grad (online; the target is
-frozen and never part of the optimised or checkpointed state), anchors redrawn
+Each step: target taps for the batch under no_grad (online, or read from the batch with
+data.features=offline; the target is frozen and never part of the optimised or checkpointed state), anchors redrawn
 from an RNG keyed by (seed, step), all blocks of a sequence in one drafter
 forward with the block-sparse mask, decay-weighted CE plus the selector's loss.
 """
@@ -83,8 +83,10 @@ class DrafterTrainingModule(L.LightningModule):
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # (N, L)
         # The target runs in its own dtype (target.dtype), outside the drafter's mixed-precision
         # autocast: the taps are then the ones it produces when served; the drafter casts them.
-        with torch.no_grad(), torch.autocast(device_type=input_ids.device.type, enabled=False):
-            taps = self.target.tap_features(input_ids)  # (N, L, K*d_t) in the target's dtype
+        taps = batch.get("target_taps")  # (N, L, K*d_t): stored by data.features=offline, else computed here
+        if taps is None:
+            with torch.no_grad(), torch.autocast(device_type=input_ids.device.type, enabled=False):
+                taps = self.target.tap_features(input_ids)  # (N, L, K*d_t) in the target's dtype
         anchors, valid = sample_anchors(loss_mask, self.num_anchors, generator)  # (N, A)
         if not bool(valid.any()):
             raise DFlash2Error(

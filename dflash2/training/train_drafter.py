@@ -31,6 +31,7 @@ from dflash2.target_dtype import resolve_target_dtype
 from dflash2.training.build_target import to_plain as plain
 from dflash2.training.drafter_data import DrafterDataModule, collate_sequences
 from dflash2.training.drafter_module import DrafterTrainingModule
+from dflash2.training.offline_features import OfflineDrafterDataModule, OfflineFeatures, features_mode
 from dflash2.training.preflight import (
     check_blocks_fit_the_data,
     check_loss_chunk_positions,
@@ -99,7 +100,11 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
 
     cache_dir = Path(cfg.paths.cache_dir)
     device = regeneration_device(cfg)
-    train_ds, val_ds = regenerate_training_data(cfg, target, common)
+    offline = None
+    if features_mode(data) == "offline":  # taps read from the shards of `python -m dflash2.data.features`
+        root = data.get("features_dir") or cache_dir / "features"
+        offline = OfflineFeatures(target, target_id=str(target_dir), features_root=Path(root))
+    train_ds, val_ds = regenerate_training_data(cfg, target, common, attach=offline and offline.attach)
     target.model.cpu()
     log.info(
         f"data: {len(train_ds)} train / {len(val_ds)} validation regenerated sequences (cache {cache_dir / 'data'})"
@@ -133,9 +138,9 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
         if target.tokenizer is not None and target.tokenizer.pad_token_id is not None
         else 0
     )
-    datamodule = DrafterDataModule(
-        train_ds,
-        val_ds,
+    datamodule = (DrafterDataModule if offline is None else OfflineDrafterDataModule)(
+        train_ds if offline is None else offline.wrap(train_ds, "train"),
+        val_ds if offline is None else offline.wrap(val_ds, "validation"),
         batch_size=int(data["batch_size"]),
         total_steps=total_steps,
         seed=seed,
@@ -197,16 +202,26 @@ def regeneration_settings(cfg: DictConfig, target_dir) -> dict:
     )
 
 
-def regenerate_training_data(cfg: DictConfig, target: TargetModel, common: dict):
-    """The train and validation splits (from the cache when it has them), filtered to rows with an anchor."""
+def regenerate_training_data(cfg: DictConfig, target: TargetModel, common: dict, attach=None):
+    """The train and validation splits (from the cache when it has them), filtered to rows with an anchor.
+    ``attach(dataset, split)``, when given, sees each whole split before the filter (offline features)."""
     data = plain(cfg.data)
+    attach = attach or (lambda dataset, split: dataset)
     with explain_oom("regeneration of training data by the target", knob_hints(cfg, REGENERATION_KNOBS)):
         train_ds = trainable_rows(
-            regenerate_split(target, data, split="train", num_prompts=_count(data["num_train_prompts"]), **common),
+            attach(
+                regenerate_split(target, data, split="train", num_prompts=_count(data["num_train_prompts"]), **common),
+                "train",
+            ),
             "train",
         )
         val_ds = trainable_rows(
-            regenerate_split(target, data, split="validation", num_prompts=_count(data["num_val_prompts"]), **common),
+            attach(
+                regenerate_split(
+                    target, data, split="validation", num_prompts=_count(data["num_val_prompts"]), **common
+                ),
+                "validation",
+            ),
             "validation",
         )
     return train_ds, val_ds
