@@ -4,7 +4,8 @@ The regenerated split is found as in online training; its feature folder
 ``<data.features_dir or <cache>/features>/<split>-<key>/`` must hold a complete set whose manifest
 names this run's target (weight hash), dtype, taps and that very data set, else the run stops with
 one line saying what differs and the command that computes the right features. Each batch then
-carries ``target_taps`` (N, L, K*d) and ``DrafterTrainingModule`` skips the target's forward; the
+carries ``target_taps`` (N, L, K*d) (``drafter_data.collate_sequences`` pads them) and
+``DrafterTrainingModule`` skips the target's forward; the
 target stays loaded for its embedding and LM head (the loss) and the held-out measurement.
 """
 
@@ -17,7 +18,6 @@ import torch
 from dflash2.data.feature_shards import FeatureStore, read_manifest
 from dflash2.data.features import manifest_for
 from dflash2.errors import DFlash2Error
-from dflash2.training.drafter_data import DrafterDataModule, collate_sequences
 
 MODES = ("online", "offline")
 ROW = "feature_row"  # the dataset row a sequence had before filtering: its key in the feature store
@@ -98,22 +98,3 @@ class TapsDataset(torch.utils.data.Dataset):
                 f"{len(row['input_ids'])}; remove {self.store.folder} and recompute it"
             )
         return {**row, "target_taps": taps}
-
-
-def collate_with_taps(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """``collate_sequences`` plus ``target_taps`` (N, L, K*d), zero on padding: the drafter never reads a
-    padded position's taps (its context is causal and anchors sit on response tokens)."""
-    batch = collate_sequences(rows, pad_id)
-    first = rows[0]["target_taps"]
-    taps = first.new_zeros((len(rows), batch["input_ids"].shape[1], first.shape[-1]))
-    for i, r in enumerate(rows):
-        taps[i, : r["target_taps"].shape[0]] = r["target_taps"]
-    batch["target_taps"] = taps
-    return batch
-
-
-class OfflineDrafterDataModule(DrafterDataModule):
-    """The same loaders (step sampler, order) whose batches carry the stored taps."""
-
-    def _collate(self, rows):
-        return collate_with_taps(rows, self.pad_id)

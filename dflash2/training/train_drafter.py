@@ -31,7 +31,7 @@ from dflash2.target_dtype import resolve_target_dtype
 from dflash2.training.build_target import to_plain as plain
 from dflash2.training.drafter_data import DrafterDataModule, collate_sequences
 from dflash2.training.drafter_module import DrafterTrainingModule
-from dflash2.training.offline_features import OfflineDrafterDataModule, OfflineFeatures, features_mode
+from dflash2.training.offline_features import OfflineFeatures, features_mode
 from dflash2.training.preflight import (
     check_blocks_fit_the_data,
     check_loss_chunk_positions,
@@ -138,7 +138,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict:
         if target.tokenizer is not None and target.tokenizer.pad_token_id is not None
         else 0
     )
-    datamodule = (DrafterDataModule if offline is None else OfflineDrafterDataModule)(
+    datamodule = DrafterDataModule(
         train_ds if offline is None else offline.wrap(train_ds, "train"),
         val_ds if offline is None else offline.wrap(val_ds, "validation"),
         batch_size=int(data["batch_size"]),
