@@ -48,3 +48,24 @@ def fsync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def atomic_write_with(path: Path, write: Any) -> None:
+    """``write(tmp_path)`` then fsync + ``os.replace`` onto ``path``: for writers that take a file name
+    (``safetensors.torch.save_file``, JSON) rather than a file object; the same guarantee as above."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)

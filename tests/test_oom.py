@@ -36,3 +36,14 @@ def test_a_real_cuda_allocation_failure_is_explained():
         torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
     assert isinstance(err.value.__cause__, torch.cuda.OutOfMemoryError)
     torch.ones(16, device="cuda")  # the device is still usable afterwards
+
+
+def test_training_names_the_loss_chunk_when_on_and_advises_it_when_off():
+    from dflash2.oom import oom_message
+    from dflash2.training.train_drafter import training_oom_hints
+
+    cfg = OmegaConf.create({"data": {"batch_size": 8}})
+    on = oom_message("drafter training", *training_oom_hints(cfg, 512))
+    assert "lower one of data.batch_size=8, drafter.loss_chunk_positions=512 (or set trainer.precision" in on
+    off = oom_message("drafter training", *training_oom_hints(cfg, 0))
+    assert "lower one of data.batch_size=8 (or set drafter.loss_chunk_positions=1024, set trainer.precision" in off

@@ -131,10 +131,12 @@ def test_the_drafter_casts_taps_to_its_own_dtype():
     torch.testing.assert_close(c, drafter.fuse_context(taps.float()))
 
 
+@pytest.mark.parametrize("chunk", [0, 5], ids=["plain-loss", "chunked-loss"])
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32-trainer", "bf16-mixed"])
-def test_training_taps_come_from_the_target_in_its_dtype_outside_autocast(targets, autocast):
+def test_training_taps_come_from_the_target_in_its_dtype_outside_autocast(targets, autocast, chunk):
     """A bf16 target beside an fp32 drafter: taps computed by the target in bf16 and never under the
-    drafter's autocast; the step backpropagates into fp32 master weights (fp32 trainer or bf16-mixed)."""
+    drafter's autocast; the step backpropagates into fp32 master weights (fp32 trainer or bf16-mixed),
+    through the plain or the chunked loss (drafter.loss_chunk_positions)."""
     target = targets["bf16"]
     torch.manual_seed(0)
     drafter = DFlashDrafter(drafter_config_for_target(SETTINGS, target))
@@ -149,6 +151,7 @@ def test_training_taps_come_from_the_target_in_its_dtype_outside_autocast(target
         warmup_ratio=0.0,
         total_steps=1,
         seed=0,
+        loss_chunk_positions=chunk,
     )
     seen = []
     real = target.tap_features

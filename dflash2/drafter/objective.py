@@ -110,6 +110,15 @@ def weighted_block_loss(
     """Σ w_k·CE_k / Σ w_k over valid positions. logits (N, A, P, V); weights (P,).
     `weight_total` gives the Σ w_k divided by (see `WeightTotal`)."""
     ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
+    return weighted_position_loss(ce, label_mask, weights, weight_total)
+
+
+def weighted_position_loss(
+    ce: torch.Tensor, label_mask: torch.Tensor, weights: torch.Tensor, weight_total: WeightTotal = own_weight_total
+) -> torch.Tensor:
+    """Σ w_k·CE_k / Σ w_k over valid positions from per-position CE (N, A, P) fp32 (the chunked head's, or
+    ``weighted_block_loss``'s from full logits); label_mask (N, A, P) bool; weights (P,).
+    `weight_total` gives the Σ w_k divided by (see `WeightTotal`)."""
     w = weights.view(1, 1, -1) * label_mask
     return (ce * w).sum() / weight_total(w.sum()).clamp_min(1e-8)
 

@@ -85,14 +85,26 @@ class CandidateSelector(nn.Module):
         return self
 
     # ------------------------------------------------------------------ scoring
+    def top_candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw drafter logits (..., V) -> cand_ids (..., k) int64 and their raw logits (..., k), by raw logit desc.
+
+        All the selector reads of the full logits besides the label's own logit, so training can
+        hand it this pair computed chunk by chunk (dflash2/training/chunked_head.py) instead."""
+        raw, cand_ids = torch.topk(logits, self.top_k, dim=-1)
+        return cand_ids, raw
+
+    def unary(self, raw: torch.Tensor) -> torch.Tensor:
+        """Raw logits of candidates (any shape) -> the unary scores: ``scale_logits`` with the serving scales, fp32."""
+        return scale_logits(raw, self.output_multiplier, self.final_logit_softcapping)
+
     def candidates(self, logits: torch.Tensor):
         """Raw drafter logits (N, P, V) -> cand_ids (N, P, k) sorted by logit desc, unary (N, P, k) fp32.
 
         Top-k of the *raw* logits, then ``scale_logits`` on the k values: the order engines use
         (a cap can make distinct raw logits equal; candidates keep the raw order, so ties in the
         scores still go to the higher raw logit)."""
-        raw, cand_ids = torch.topk(logits, self.top_k, dim=-1)
-        return cand_ids, scale_logits(raw, self.output_multiplier, self.final_logit_softcapping)
+        cand_ids, raw = self.top_candidates(logits)
+        return cand_ids, self.unary(raw)
 
     def edge_scores(self, hidden, pred_ids, cand_ids, unary):
         """Edge scores from predecessor(s) to the k candidates.
@@ -126,7 +138,15 @@ class CandidateSelector(nn.Module):
         Ties go to the lowest candidate index (= higher drafter logit; torch.argmax
         returns the first maximum).
         """
-        cand_ids, unary = self.candidates(logits)
+        return self.greedy_path_from_top(hidden, *self.top_candidates(logits), anchor_ids)
+
+    @torch.no_grad()
+    def greedy_path_from_top(self, hidden, cand_ids, top_raw, anchor_ids) -> torch.Tensor:
+        """``greedy_path`` from the top-k candidates instead of the full logits.
+
+        hidden (N, P, d), cand_ids (N, P, k) and top_raw (N, P, k) from ``top_candidates``,
+        anchor_ids (N,) -> tokens (N, P)."""
+        unary = self.unary(top_raw)
         pred, out = anchor_ids, []
         for pos in range(cand_ids.shape[1]):
             best = self._step(hidden, cand_ids, unary, pos, pred).argmax(-1)  # (N,)
@@ -226,21 +246,56 @@ class CandidateSelector(nn.Module):
         acc (selector argmax over the k real candidates right, teacher-forced), all over label_mask.
         """
         logits = logits.detach()
+        safe = labels.masked_fill(~label_mask, 0)  # (N, P) in-vocab ids for indexing
+        cand_ids, top_raw = self.top_candidates(logits)  # (N, P, k)
+        label_raw = logits.gather(-1, safe[..., None])[..., 0]  # (N, P)
+        return self.loss_from_top(
+            hidden,
+            cand_ids,
+            top_raw,
+            label_raw,
+            anchor_ids,
+            labels,
+            label_mask,
+            weight=weight,
+            detach_hidden=detach_hidden,
+            inject_gold=inject_gold,
+            weight_total=weight_total,
+        )
+
+    def loss_from_top(
+        self,
+        hidden,
+        cand_ids,
+        top_raw,
+        label_raw,
+        anchor_ids,
+        labels,
+        label_mask,
+        weight=None,
+        detach_hidden: bool = True,
+        inject_gold: bool = False,
+        weight_total=None,
+    ):
+        """``loss`` from what it reads of the logits: cand_ids (N, P, k) and top_raw (N, P, k) from
+        ``top_candidates``, and label_raw (N, P) the raw logit of each label (read only where
+        label_mask is True and ``inject_gold``; any finite value elsewhere). Training's chunked
+        head computes these without the (N, P, V) logits (dflash2/training/chunked_head.py).
+        Other arguments, result and stats: ``loss``."""
+        top_raw, label_raw = top_raw.detach(), label_raw.detach()
         if detach_hidden:
             hidden = hidden.detach()
         safe = labels.masked_fill(~label_mask, 0)  # (N, P) in-vocab ids for indexing
         pred_ids = torch.cat([anchor_ids[:, None], safe[:, :-1]], dim=1)  # (N, P)
-        cand_ids, unary = self.candidates(logits)  # (N, P, k)
+        unary = self.unary(top_raw)  # (N, P, k)
         match = cand_ids == safe[..., None]  # (N, P, k)
         covered = match.any(-1) & label_mask  # (N, P)
         target = match.float().argmax(-1)  # (N, P), 0 where not covered
         if inject_gold:
             k = cand_ids.shape[-1]
             cand_ids = torch.cat([cand_ids, safe[..., None]], dim=-1)  # (N, P, k+1): the label last
-            gold = scale_logits(
-                logits.gather(-1, safe[..., None]), self.output_multiplier, self.final_logit_softcapping
-            )
-            unary = torch.cat([unary, gold], dim=-1)  # the label's unary scaled like the top-k ones
+            gold = self.unary(label_raw[..., None])  # the label's unary scaled like the top-k ones
+            unary = torch.cat([unary, gold], dim=-1)
             target = torch.where(covered, target, torch.full_like(target, k))
         scores = self.edge_scores(hidden, pred_ids, cand_ids, unary)  # (N, P, k or k+1) fp32
         if inject_gold:  # the extra slot is a duplicate where the label is a candidate already

@@ -116,14 +116,22 @@ class KeyedRows(Dataset):
 
 
 def collate_sequences(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad rows to the longest: input_ids (N, L) int64, loss_mask (N, L) int64."""
+    """Right-pad rows to the longest: input_ids (N, L) int64, loss_mask (N, L) int64, and target_taps
+    (N, L, K*d) when the rows carry stored taps (data.features=offline, training/offline_features.py)."""
     length = max(len(r["input_ids"]) for r in rows)
     ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), length), dtype=torch.long)
     for i, r in enumerate(rows):
         ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
         mask[i, : len(r["loss_mask"])] = torch.tensor(r["loss_mask"])
-    return {"input_ids": ids, "loss_mask": mask}
+    batch = {"input_ids": ids, "loss_mask": mask}
+    if "target_taps" in rows[0]:
+        # zero on padding: the drafter never reads a padded position's taps (causal context, anchors on responses)
+        first = rows[0]["target_taps"]
+        batch["target_taps"] = first.new_zeros((len(rows), length, first.shape[-1]))
+        for i, r in enumerate(rows):
+            batch["target_taps"][i, : r["target_taps"].shape[0]] = r["target_taps"]
+    return batch
 
 
 def collate_keyed_sequences(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:

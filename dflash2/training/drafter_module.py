@@ -1,12 +1,12 @@
 """LightningModule that trains a drafter against a frozen target (issue 3, ARCHITECTURE.md §2.6, §3).
 
-Each step: target taps for the batch under no_grad (online; the target is
-frozen and never part of the optimised or checkpointed state), anchors redrawn
-from an RNG keyed by (seed, step, row of the global batch), all blocks of a sequence
-in one drafter forward with the block-sparse mask, decay-weighted CE plus the
-selector's loss. Under DDP / FSDP each rank holds a slice of the global batch; the
-losses are normalised and the logged metrics summed over the ranks, so both are
-those of the global batch (dflash2/training/data_parallel.py).
+Each step: target taps for the batch under no_grad (online, or read from the batch with
+data.features=offline; the target is frozen and never part of the optimised or checkpointed state),
+anchors redrawn from an RNG keyed by (seed, step, row of the global batch), all blocks of a sequence
+in one drafter forward with the block-sparse mask, decay-weighted CE plus the selector's loss.
+Under DDP / FSDP each rank holds a slice of the global batch; the losses are normalised and the
+logged metrics summed over the ranks, so both are those of the global batch
+(dflash2/training/data_parallel.py).
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ from dflash2.drafter.objective import (
     position_weights,
     row_anchor_generator,
     sample_anchors,
-    weighted_block_loss,
+    weighted_position_loss,
 )
 from dflash2.errors import DFlash2Error
+from dflash2.training.chunked_head import HeadOutputs, chunked_head_outputs, head_outputs_from_logits
 from dflash2.training.data_parallel import all_reduce_sum, global_weight_share, world_size
-from dflash2.training.preflight import drafter_config_differences
+from dflash2.training.preflight import check_loss_chunk_positions, drafter_config_differences
 from dflash2.training.schedule import cosine_with_warmup
 
 
@@ -53,6 +54,7 @@ class DrafterTrainingModule(L.LightningModule):
         seed: int,
         target_id: str = "",
         selector_gold_injection: bool = False,
+        loss_chunk_positions: int = 0,
     ):
         super().__init__()
         # What `with_drafter` needs to build the same module around another drafter object.
@@ -67,6 +69,7 @@ class DrafterTrainingModule(L.LightningModule):
             seed=seed,
             target_id=target_id,
             selector_gold_injection=selector_gold_injection,
+            loss_chunk_positions=loss_chunk_positions,
         )
         self.drafter = drafter
         # Weight decay goes to matrices. Decided here, on the parameters as built: FSDP replaces them by
@@ -79,6 +82,9 @@ class DrafterTrainingModule(L.LightningModule):
         self.lr, self.weight_decay, self.warmup_ratio, self.total_steps = lr, weight_decay, warmup_ratio, total_steps
         self.seed, self.target_id = seed, target_id
         self.selector_gold_injection = selector_gold_injection  # ARCHITECTURE.md §3.2
+        # > 0: the loss through the LM head in chunks of that many positions (chunked_head.py); 0: the plain
+        # path from full logits, kept as the reference (drafter.loss_chunk_positions, docs/TRAINING.md)
+        self.loss_chunk_positions = check_loss_chunk_positions(loss_chunk_positions)
         self._last_step_time: float | None = None
         self.measured_tau_history: list[tuple[int, float]] = []  # filled by MeasuredTauCallback
 
@@ -115,8 +121,10 @@ class DrafterTrainingModule(L.LightningModule):
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]  # (N, L)
         # The target runs in its own dtype (target.dtype), outside the drafter's mixed-precision
         # autocast: the taps are then the ones it produces when served; the drafter casts them.
-        with torch.no_grad(), torch.autocast(device_type=input_ids.device.type, enabled=False):
-            taps = self.target.tap_features(input_ids)  # (N, L, K*d_t) in the target's dtype
+        taps = batch.get("target_taps")  # (N, L, K*d_t): stored by data.features=offline, else computed here
+        if taps is None:
+            with torch.no_grad(), torch.autocast(device_type=input_ids.device.type, enabled=False):
+                taps = self.target.tap_features(input_ids)  # (N, L, K*d_t) in the target's dtype
         anchors, valid = sample_anchors(loss_mask, self.num_anchors, generator)  # (N, A)
         if not bool(valid.any()):
             raise DFlash2Error(
@@ -127,21 +135,21 @@ class DrafterTrainingModule(L.LightningModule):
             taps, input_ids, self.target.embed_tokens, anchors, valid
         )  # (N, A, B, d)
         drafted = hidden[:, :, 1:]  # (N, A, P, d): block position k predicts token anchor + k
-        raw = self.target.head_logits(drafted)  # (N, A, P, V), drafted cast to the head's dtype
-        # CE on the drafter's served logits (output multiplier / softcap, ARCHITECTURE.md §3.4): what T>0
-        # samples from; the selector gets the raw ones and scales its top-k values itself, as engines do
-        logits = self.drafter.block_logits(drafted, self.target.head_logits, raw=raw)
-        labels, label_mask = block_labels(input_ids, loss_mask, anchors, valid, self.block_size)
-        weights = position_weights(self.block_size, self.loss_gamma, device=logits.device)
-        ce = weighted_block_loss(logits, labels, label_mask, weights, weight_total)
-        out = {"ce": ce, "loss": ce, "predictions": raw.argmax(-1), "labels": labels, "label_mask": label_mask}
+        labels, label_mask = block_labels(input_ids, loss_mask, anchors, valid, self.block_size)  # (N, A, P)
         selector = getattr(self.drafter, "candidate_selector", None)
+        head = self.head_outputs(drafted, labels, selector.top_k if selector is not None else 0)
+        weights = position_weights(self.block_size, self.loss_gamma, device=drafted.device)
+        ce = weighted_position_loss(head.ce, label_mask, weights, weight_total)
+        out = {"ce": ce, "loss": ce, "predictions": head.argmax, "labels": labels, "label_mask": label_mask}
         if selector is not None:
             anchor_ids = input_ids.gather(1, anchors)  # (N, A)
             flat = lambda t: t.flatten(0, 1)  # noqa: E731  (N, A, ...) -> (N*A, ...)
-            sel_loss, sel_stats = selector.loss(
+            # The selector reads only the top-k and the label's logit: no (N, A, P, V) tensor reaches it.
+            top = flat(head.top_ids), flat(head.top_raw)  # (N*A, P, k) each
+            sel_loss, sel_stats = selector.loss_from_top(
                 flat(drafted),
-                flat(raw),
+                *top,
+                flat(head.label_raw),
                 flat(anchor_ids),
                 flat(labels),
                 flat(label_mask),
@@ -150,10 +158,38 @@ class DrafterTrainingModule(L.LightningModule):
             )
             out["selector_loss"], out["selector_stats"] = sel_loss, sel_stats
             out["loss"] = ce + self.selector_loss_weight * sel_loss
-            with torch.no_grad():
-                path = selector.greedy_path(flat(drafted), flat(raw), flat(anchor_ids))
+            path = selector.greedy_path_from_top(flat(drafted), *top, flat(anchor_ids))
             out["selector_predictions"] = path.view_as(labels)
         return out
+
+    def head_outputs(self, drafted: torch.Tensor, labels: torch.Tensor, top_k: int) -> HeadOutputs:
+        """Per-position CE, argmax, top-k and label logit of the drafter's logits (chunked_head.py).
+
+        drafted (N, A, P, d), labels (N, A, P) -> HeadOutputs of leading shape (N, A, P). The CE is on the
+        drafter's served logits (output multiplier / softcap, ARCHITECTURE.md §3.4), what T>0 samples
+        from; argmax and the top-k are of the raw ones, which the selector scales itself, as engines do.
+        """
+        config = self.drafter.config
+        if self.loss_chunk_positions:
+            head = self.target.lm_head
+            if not isinstance(head, torch.nn.Linear):  # the chunks are F.linear with its weight and bias
+                raise DFlash2Error(
+                    f"the target's lm_head is a {type(head).__name__}, not a Linear layer: the chunked loss "
+                    "cannot recompute it; set drafter.loss_chunk_positions=0"
+                )
+            return chunked_head_outputs(
+                drafted,
+                head.weight,
+                getattr(head, "bias", None),
+                labels,
+                chunk=self.loss_chunk_positions,
+                top_k=top_k,
+                multiplier=config.output_multiplier,
+                softcap=config.final_logit_softcapping,
+            )
+        raw = self.target.head_logits(drafted)  # (N, A, P, V), drafted cast to the head's dtype
+        logits = self.drafter.block_logits(drafted, self.target.head_logits, raw=raw)
+        return head_outputs_from_logits(raw, logits, labels, top_k)
 
     def _log_block_metrics(self, prefix: str, out: dict, **kw) -> dict:
         metrics = block_metrics(out["predictions"], out["labels"], out["label_mask"])

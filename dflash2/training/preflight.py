@@ -15,6 +15,18 @@ from dflash2.errors import DFlash2Error
 from dflash2.safe_load import UnsafeFileError, load_torch_file
 
 
+def check_loss_chunk_positions(value) -> int:
+    """``drafter.loss_chunk_positions`` as an int >= 0 (null = 0: the plain loss from full logits)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise DFlash2Error(
+            f"drafter.loss_chunk_positions={value!r} must be an integer >= 0 "
+            "(positions per chunk of the loss through the LM head; 0 = the plain loss from full logits)"
+        )
+    return value
+
+
 def check_blocks_fit_the_data(config: DrafterConfig, num_anchors: int, data: dict) -> None:
     """A block drafts ``block_size - 1`` tokens after an anchor inside one response.
 

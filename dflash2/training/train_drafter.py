@@ -34,8 +34,10 @@ from dflash2.training.drafter_data import DrafterDataModule, collate_sequences
 from dflash2.training.drafter_module import DrafterTrainingModule
 from dflash2.training.full_drafter import check_supported_strategy, drafter_on_rank_zero
 from dflash2.training.launch import PREPARE_FIRST, external_world_size
+from dflash2.training.offline_features import OfflineFeatures, features_mode
 from dflash2.training.preflight import (
     check_blocks_fit_the_data,
+    check_loss_chunk_positions,
     check_resume_checkpoint,
     check_sequences_fit_the_context,
     resolve_ckpt_path,
@@ -51,6 +53,15 @@ OOM_TRAINING_ADVICE = (
     " (or set trainer.precision=bf16-mixed, or halve data.batch_size and set trainer.accumulate_grad_batches=2),"
     " then resume with ckpt_path=last"
 )
+
+
+def training_oom_hints(cfg: DictConfig, loss_chunk: int) -> tuple[list[str], str]:
+    """The knobs and advice of an out-of-memory error in training: with the chunked loss on, its chunk is one
+    more size to lower; with it off, turning it on drops the logits of every position (docs/TRAINING.md)."""
+    hints = knob_hints(cfg, TRAINING_KNOBS)
+    if loss_chunk:
+        return [*hints, f"drafter.loss_chunk_positions={loss_chunk}"], OOM_TRAINING_ADVICE
+    return hints, " (or set drafter.loss_chunk_positions=1024," + OOM_TRAINING_ADVICE.removeprefix(" (or")
 
 
 def load_target(cfg: DictConfig, target_dir) -> TargetModel:
@@ -87,13 +98,18 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict | None:
     chat_template = chat_template_of(data, target.tokenizer) if data.get("chat") else None
     drafter.config.training_data = training_data_record(data, common["seed"], chat_template)
     check_blocks_fit_the_data(drafter.config, int(settings["num_anchors"]), data)
+    loss_chunk = check_loss_chunk_positions(settings.get("loss_chunk_positions"))
     check_sequences_fit_the_context(data, config.max_position_embeddings)
     resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
     resume_step = check_resume_checkpoint(resume_from, drafter.config) if resume_from is not None else None
 
     cache_dir = Path(cfg.paths.cache_dir)
     device = regeneration_device(cfg)
-    train_ds, val_ds = regenerate_training_data(cfg, target, common)
+    offline = None
+    if features_mode(data) == "offline":  # taps read from the shards of `python -m dflash2.data.features`
+        root = data.get("features_dir") or cache_dir / "features"
+        offline = OfflineFeatures(target, target_id=str(target_dir), features_root=Path(root))
+    train_ds, val_ds = regenerate_training_data(cfg, target, common, attach=offline and offline.attach)
     target.model.cpu()
     log.info(
         f"data: {len(train_ds)} train / {len(val_ds)} validation regenerated sequences (cache {cache_dir / 'data'})"
@@ -120,6 +136,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict | None:
         seed=seed,
         target_id=str(target_dir),
         selector_gold_injection=bool(settings.get("selector_gold_injection", False)),
+        loss_chunk_positions=loss_chunk,
     )
     pad_id = (
         target.tokenizer.pad_token_id
@@ -127,8 +144,8 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict | None:
         else 0
     )
     datamodule = DrafterDataModule(
-        train_ds,
-        val_ds,
+        train_ds if offline is None else offline.wrap(train_ds, "train"),
+        val_ds if offline is None else offline.wrap(val_ds, "validation"),
         batch_size=int(data["batch_size"]),
         total_steps=total_steps,
         seed=seed,
@@ -138,10 +155,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict | None:
     loggers = instantiate_loggers(cfg, resume_step)
     trainer: L.Trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=instantiate_callbacks(cfg))
     check_supported_strategy(trainer)
-    with (
-        warnings.catch_warnings(),
-        explain_oom("drafter training", knob_hints(cfg, TRAINING_KNOBS), extra=OOM_TRAINING_ADVICE),
-    ):
+    with warnings.catch_warnings(), explain_oom("drafter training", *training_oom_hints(cfg, loss_chunk)):
         # Multi-process: Lightning suggests sync_dist for every epoch-level val/ metric; every rank runs the
         # whole validation split and holds the same values (drafter_data.py), so there is nothing to sync.
         warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('val/")
@@ -205,16 +219,26 @@ def regeneration_settings(cfg: DictConfig, target_dir) -> dict:
     )
 
 
-def regenerate_training_data(cfg: DictConfig, target: TargetModel, common: dict):
-    """The train and validation splits (from the cache when it has them), filtered to rows with an anchor."""
+def regenerate_training_data(cfg: DictConfig, target: TargetModel, common: dict, attach=None):
+    """The train and validation splits (from the cache when it has them), filtered to rows with an anchor.
+    ``attach(dataset, split)``, when given, sees each whole split before the filter (offline features)."""
     data = plain(cfg.data)
+    attach = attach or (lambda dataset, split: dataset)
     with explain_oom("regeneration of training data by the target", knob_hints(cfg, REGENERATION_KNOBS)):
         train_ds = trainable_rows(
-            regenerate_split(target, data, split="train", num_prompts=_count(data["num_train_prompts"]), **common),
+            attach(
+                regenerate_split(target, data, split="train", num_prompts=_count(data["num_train_prompts"]), **common),
+                "train",
+            ),
             "train",
         )
         val_ds = trainable_rows(
-            regenerate_split(target, data, split="validation", num_prompts=_count(data["num_val_prompts"]), **common),
+            attach(
+                regenerate_split(
+                    target, data, split="validation", num_prompts=_count(data["num_val_prompts"]), **common
+                ),
+                "validation",
+            ),
             "validation",
         )
     return train_ds, val_ds

@@ -1,0 +1,173 @@
+"""Cross-entropy through the frozen LM head, chunk by chunk (issue 15; docs/TRAINING.md "Chunked loss through
+the LM head").
+
+Training reads five things off the drafter's logits at each of the M = N·A·P drafted positions
+(ARCHITECTURE.md §2.6, §3.2). With r_m = W h_m + b the raw logits (the head's compute dtype) and
+z_m = scale_logits(r_m) the served ones (fp32, §3.4), for a label y_m:
+
+    ce (M,) fp32          logsumexp(z_m) - z_m[y_m], the only differentiable output (w.r.t. h)
+    argmax (M,) int64     argmax r_m: the top-1 prediction of the accuracy / τ-estimate metrics
+    top_ids (M, k) int64  the k largest r_m, by raw logit desc: the selector's candidates
+    top_raw (M, k)        their raw logits (head dtype), the selector's unary terms before scaling
+    label_raw (M,)        r_m[y_m] (head dtype): the selector's injected gold candidate
+
+The plain path (``head_outputs_from_logits``) reads them off the full (M, V) logits, which
+autograd keeps with an fp32 copy and their gradient: ~9 G elements for a 151,936-token vocabulary
+at 8 rows × 512 anchors × 15 positions. ``chunked_head_outputs`` computes the same on row chunks
+of C positions and recomputes a chunk's logits in backward instead of storing them, so it never
+holds more than a few (C, V) tensors at a time. The head is frozen: W and b get no gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+
+@dataclass(frozen=True)
+class HeadOutputs:
+    """What training reads off the logits, for positions of any leading shape (...): see the module doc."""
+
+    ce: torch.Tensor  # (...) fp32
+    argmax: torch.Tensor  # (...) int64
+    top_ids: torch.Tensor  # (..., k) int64
+    top_raw: torch.Tensor  # (..., k) head dtype
+    label_raw: torch.Tensor  # (...) head dtype
+
+
+def head_outputs_from_logits(raw: torch.Tensor, served: torch.Tensor, labels: torch.Tensor, top_k: int) -> HeadOutputs:
+    """The plain path, from the full logits: raw (..., V) the head's output, served (..., V) the drafter's
+    served logits (``DFlashDrafter.block_logits``), labels (...) int64 in [0, V), top_k >= 0 (0: none)."""
+    ce = F.cross_entropy(served.float().flatten(0, -2), labels.flatten(), reduction="none").view_as(labels)
+    top_raw, top_ids = torch.topk(raw, top_k, dim=-1)  # the selector's top_candidates
+    label_raw = raw.gather(-1, labels[..., None])[..., 0]
+    return HeadOutputs(ce, raw.argmax(-1), top_ids, top_raw, label_raw)
+
+
+def head_compute_dtype(weight: torch.Tensor, device_type: str) -> torch.dtype:
+    """The dtype the plain path's ``lm_head(h.to(W.dtype))`` computes in: autocast's when autocast is on for
+    the device (linear is one of its lower-precision ops on CUDA and CPU), else the weight's. Fixed once so
+    that the chunks recomputed in backward, where the caller's autocast no longer applies, are the same."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight.dtype
+
+
+def chunked_head_outputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    *,
+    chunk: int,
+    top_k: int = 0,
+    multiplier: float = 1.0,
+    softcap: float | None = None,
+) -> HeadOutputs:
+    """``head_outputs_from_logits`` without the full logits.
+
+    hidden (..., d) any float dtype (gradient flows back to it through ``ce``); weight (V, d) and bias (V,)
+    or None: the frozen LM head (no gradient reaches them); labels (...) int64 in [0, V); chunk: positions
+    per chunk (>= 1); top_k >= 0; multiplier / softcap: the drafter's serving scales (§3.4).
+    Returns HeadOutputs with the leading shape (...) of hidden.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk} must be >= 1 positions")
+    lead = labels.shape
+    dtype = head_compute_dtype(weight, hidden.device.type)
+    outs = _ChunkedHeadCE.apply(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight.detach(),
+        None if bias is None else bias.detach(),
+        labels.reshape(-1),
+        int(chunk),
+        int(top_k),
+        float(multiplier),
+        None if softcap is None else float(softcap),
+        dtype,
+    )
+    ce, argmax, top_ids, top_raw, label_raw = outs
+    return HeadOutputs(
+        ce.view(lead), argmax.view(lead), top_ids.view(*lead, top_k), top_raw.view(*lead, top_k), label_raw.view(lead)
+    )
+
+
+def _served_logits(raw, multiplier, softcap):
+    """``scale_logits(raw, multiplier, softcap)``, the same operations in the same order (so the same values),
+    with fewer (C, V) temporaries. raw (C, V) -> (z (C, V) fp32, t): t = tanh(multiplier·raw / softcap)
+    (z = t·softcap), kept for the derivative; None without a cap. z is raw itself when raw is fp32 and
+    unscaled, else a new tensor."""
+    x = raw.float()
+    fresh = x is not raw  # a new tensor that may be written into
+    if multiplier != 1.0:
+        x, fresh = x * multiplier, True
+    if softcap is None:
+        return x, None
+    t = (x.div_(softcap) if fresh else x / softcap).tanh_()
+    return t * softcap, t
+
+
+class _ChunkedHeadCE(torch.autograd.Function):
+    """Inputs: hidden (M, d), weight (V, d), bias (V,) or None, labels (M,), chunk, top_k, multiplier,
+    softcap, dtype. Outputs: ce (M,) fp32, argmax (M,), top_ids (M, k), top_raw (M, k), label_raw (M,).
+    Each chunk's tensors are dropped before the next chunk's logits exist: one chunk's worth at a time."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, chunk, top_k, multiplier, softcap, dtype):
+        m = hidden.shape[0]
+        # Autocast off inside: every chunk (here and in backward) computes in the dtype fixed by the caller.
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)  # one (V, d) copy at most, as autocast's own weight cast
+            b = None if bias is None else bias.to(dtype)
+            ce = torch.empty(m, dtype=torch.float32, device=hidden.device)
+            lse = torch.empty_like(ce)
+            argmax = torch.empty(m, dtype=torch.long, device=hidden.device)
+            top_ids = torch.empty(m, top_k, dtype=torch.long, device=hidden.device)
+            top_raw = torch.empty(m, top_k, dtype=dtype, device=hidden.device)
+            label_raw = torch.empty(m, dtype=dtype, device=hidden.device)
+            for s in range(0, m, chunk):
+                e = min(s + chunk, m)
+                lab = labels[s:e, None]
+                raw = F.linear(hidden[s:e].to(dtype), w, b)  # (C, V) as lm_head(h.to(W.dtype))
+                argmax[s:e] = raw.argmax(-1)
+                if top_k:
+                    top_raw[s:e], top_ids[s:e] = torch.topk(raw, top_k, dim=-1)
+                label_raw[s:e] = raw.gather(1, lab)[:, 0]
+                z, t = _served_logits(raw, multiplier, softcap)
+                del raw, t
+                lse[s:e] = torch.logsumexp(z, dim=-1)
+                ce[s:e] = lse[s:e] - z.gather(1, lab)[:, 0]
+                del z
+        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        ctx.chunk, ctx.multiplier, ctx.softcap, ctx.dtype = chunk, multiplier, softcap, dtype
+        ctx.mark_non_differentiable(argmax, top_ids, top_raw, label_raw)
+        return ce, argmax, top_ids, top_raw, label_raw
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_ce, *_):
+        """d ce_m / d h_m = (softmax(z_m) - onehot(y_m)) · dz/dr · W, chunk by chunk; nothing for W, b, the rest."""
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        dtype, mult, cap = ctx.dtype, ctx.multiplier, ctx.softcap
+        grad_h = torch.empty_like(hidden)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            b = None if bias is None else bias.to(dtype)
+            for s in range(0, hidden.shape[0], ctx.chunk):
+                e = min(s + ctx.chunk, hidden.shape[0])
+                z, t = _served_logits(F.linear(hidden[s:e].to(dtype), w, b), mult, cap)  # the forward's z
+                # softmax(z) - onehot(y), times the upstream gradient, written into z: raw is no longer needed
+                g = z.sub_(lse[s:e, None]).exp_()
+                g.scatter_add_(1, labels[s:e, None], g.new_full((e - s, 1), -1.0))
+                g.mul_(grad_ce[s:e, None])
+                if t is not None:  # z = cap·tanh(mult·r / cap): dz/dr = mult·(1 - tanh²)
+                    g.mul_(t.square_().neg_().add_(1.0))
+                if mult != 1.0:
+                    g.mul_(mult)
+                # Through raw = linear(h.to(dtype)): the matmul in the head's dtype, as autograd's would be.
+                grad_h[s:e] = (g.to(dtype) @ w).to(hidden.dtype)
+                del z, t, g
+        return grad_h, None, None, None, None, None, None, None, None
