@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -48,6 +49,8 @@ from dflash2.target_recipe import hybrid_target_config
 from dflash2.tokenizer import EOS_TOKEN, PAD_TOKEN, encode_documents, train_bpe_tokenizer, wrap_tokenizer
 from dflash2.training.atomic_checkpoint_io import AtomicCheckpointIO
 from dflash2.training.launch import PREPARE_FIRST, external_world_size
+from dflash2.training.target_chat_mix import RECIPE_KEY as CHAT_KEY
+from dflash2.training.target_chat_mix import chat_fraction, chat_mix_cache_entry, chat_pretraining_tokens
 from dflash2.training.target_pretrain import (
     CausalLMPretrainModule,
     RandomWindows,
@@ -88,12 +91,16 @@ def target_cache_key(cfg: DictConfig) -> str:
     """Hash of everything the built target depends on."""
     sources = list(to_plain(cfg.data.sources)) + list(to_plain(cfg.target.recipe.get("extra_sources", [])) or [])
     recipe = {k: v for k, v in to_plain(cfg.target.recipe).items() if k not in NON_RESULT_RECIPE_KEYS}
+    chat = chat_mix_cache_entry(recipe)
+    recipe.pop(CHAT_KEY, None)  # in the key through `chat` only, so chat_fraction: 0 keeps a code-only target's key
     payload = {
         "recipe": recipe,
         "corpus": corpus_fingerprint(sources, "train", **_split_kwargs(cfg)),
         "seed": target_build_seed(cfg),
         "version": RECIPE_VERSION,
     }
+    if chat is not None:
+        payload["chat"] = chat
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -245,6 +252,28 @@ def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
     train_tokens = encode_documents(tokenizer, _take_tokens(train_docs, tokenizer, int(recipe.max_train_tokens), seed))
     heldout_tokens = encode_documents(tokenizer, heldout_docs, show_progress=False)
     log.info(f"tokens: {len(train_tokens):,} train / {len(heldout_tokens):,} held-out")
+    code_tokens, chat_info = train_tokens, None
+    fraction = chat_fraction(recipe)
+    if fraction > 0:
+        # From train_docs only: the documents the code stream comes from, never validation/held-out ones.
+        chat_docs = train_docs
+        if recipe.get("extra_sources"):
+            # data=chat splits data.sources alone; with extra sources a near-copy cluster can pull one of
+            # its held-out documents into the build's train split, so keep documents train in both splits.
+            chat_train = {d.key for d in load_documents(to_plain(cfg.data.sources), "train", **_split_kwargs(cfg))}
+            chat_docs = [d for d in train_docs if d.key in chat_train]
+        chat = chat_pretraining_tokens(chat_docs, tokenizer, len(code_tokens), fraction, seed)
+        train_tokens = np.concatenate([code_tokens, chat.tokens])  # windows are drawn at random over both
+        chat_info = {
+            "fraction_asked": fraction,
+            "fraction": round(len(chat.tokens) / len(train_tokens), 4),
+            "conversations": len(chat.keys),
+            "tokens": len(chat.tokens),
+        }
+        log.info(
+            f"chat pretraining: {len(chat.keys):,} templated conversations from train documents, "
+            f"{len(chat.tokens):,} tokens ({chat_info['fraction']:.1%} of the stream)"
+        )
 
     from transformers import AutoModelForCausalLM
 
@@ -306,7 +335,8 @@ def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
     device = "cuda" if torch.cuda.is_available() and cfg.trainer.get("accelerator") in ("gpu", "cuda") else "cpu"
     ce = heldout_cross_entropy(model.to(device), windows)
     model.cpu()
-    baselines = unigram_cross_entropies(train_tokens, windows, config.vocab_size)
+    # Fitted on the code stream: the held-out text scored is code, so chat text would only blur the baseline.
+    baselines = unigram_cross_entropies(code_tokens, windows, config.vocab_size)
     info = {
         "name": cfg.target.name,
         "params": n_params,
@@ -318,6 +348,7 @@ def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
         **{f"heldout_{k}_cross_entropy": v for k, v in baselines.items()},
         "seed": seed,
         "recipe": to_plain(recipe),
+        **({"chat_pretraining": chat_info} if chat_info else {}),
         "build_seconds": round(time.time() - started, 1),
         "torch": torch.__version__,
     }
@@ -342,8 +373,6 @@ def _take_tokens(docs, tokenizer, max_tokens: int, seed: int):
     Shuffled so that a budget smaller than the corpus still spans all modules
     rather than the alphabetically first ones.
     """
-    import numpy as np
-
     budget_bytes = int(max_tokens * 3.5)
     taken, used = [], 0
     for i in np.random.default_rng(seed).permutation(len(docs)):
