@@ -99,6 +99,16 @@ def test_experiments_set_the_task(tmp_path):
     assert small.target.recipe.extra_sources[0].path == "site-packages"
 
 
+def test_chat_experiment_trains_a_chat_drafter_against_a_chat_pretrained_target(tmp_path):
+    """experiment=chat: data=chat, and a target whose pretraining mixes in templated conversations;
+    every shipped target recipe is code only by default (its cache key unchanged)."""
+    chat = _compose(["experiment=chat"], tmp_path)
+    assert chat.task == _compose([], tmp_path).task and "chat" in chat.data
+    assert chat.data.chat.template == "auto" and 0 < chat.target.recipe.chat_fraction < 1
+    for target in ("tiny", "small"):
+        assert _compose([f"target={target}"], tmp_path).target.recipe.chat_fraction == 0
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
