@@ -87,20 +87,70 @@ def block_mask_mod(
 
 
 def flex_block_mask(
-    anchors: torch.Tensor, anchor_valid: torch.Tensor, context_len: int, block_size: int, window: int | None = None
+    anchors: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    context_len: int,
+    block_size: int,
+    window: int | None = None,
+    compile_mask: bool | None = None,
 ):
     """FlexAttention ``BlockMask`` with the semantics of ``dense_block_mask`` (and of
     ``sliding_window_mask`` when ``window`` is given).
 
-    Shape (N, 1, S, L+S); heads broadcast. Imported lazily: flex is only used on CUDA,
-    where it skips fully-masked 128x128 tiles (most of them: blocks never see each other).
+    anchors (N, A) long, anchor_valid (N, A) bool (the only tensors the mask reads).
+    Shape (N, 1, S, L+S) with S = A·B; heads broadcast (H=None). On CUDA it lets
+    flex_attention skip fully-masked 128x128 tiles (most of them: blocks never see each
+    other, and sorted anchors leave early blocks without the late context).
+
+    ``compile_mask`` (None = on CUDA): build it with ``torch.compile``. Uncompiled,
+    ``create_block_mask`` evaluates the mask_mod on the whole (N, 1, S, L+S) index grid
+    with int64 intermediates, transiently larger than the dense bool mask it replaces;
+    compiled, it works tile by tile. Eager on CPU (tests: small shapes, no compiler).
+    Imported lazily: only training with flex needs it.
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
     N, A = anchors.shape
     S = A * block_size
+    if compile_mask is None:
+        compile_mask = anchors.is_cuda
     mod = block_mask_mod(anchors, anchor_valid, context_len, block_size, window)
-    return create_block_mask(mod, B=N, H=None, Q_LEN=S, KV_LEN=context_len + S, device=anchors.device)
+    return create_block_mask(
+        mod, B=N, H=None, Q_LEN=S, KV_LEN=context_len + S, device=anchors.device, _compile=compile_mask
+    )
+
+
+def block_mask_sparsity(block_mask) -> float:
+    """Fraction of the (query tile, key tile) pairs a FlexAttention ``BlockMask`` skips.
+
+    Counted over its kv_num_blocks (partial tiles) and full_kv_num_blocks (tiles with
+    no masked element), both (N, H, ceil(Q/bq)): 0 = dense work, 1 = nothing computed.
+    The attention's cost scales with 1 - sparsity (tiles visited), the dense SDPA
+    path's with S·(L+S) whatever the mask.
+    """
+    q_len, kv_len = block_mask.shape[-2:]  # the lengths it was built for (not padded to tiles)
+    bq, bkv = block_mask.BLOCK_SIZE
+    n, h = block_mask.kv_num_blocks.shape[:2]
+    total = n * h * (-(-q_len // bq)) * (-(-kv_len // bkv))
+    visited = int(block_mask.kv_num_blocks.sum())
+    if block_mask.full_kv_num_blocks is not None:
+        visited += int(block_mask.full_kv_num_blocks.sum())
+    return 1.0 - visited / total
+
+
+ATTENTION_MODES = ("auto", "flex", "dense")
+
+
+def uses_flex(mode: str, device: torch.device | str) -> bool:
+    """Whether training attention ``mode`` (``drafter.attention``) takes the flex path on ``device``.
+
+    auto: flex on CUDA (block-sparse, compiled kernels), dense elsewhere: on the CPU
+    flex_attention is unfused (it materializes the full score matrix anyway) and has
+    no backward. dense: SDPA with the (N, 1, S, L+S) bool mask, the reference.
+    """
+    if mode not in ATTENTION_MODES:
+        raise ValueError(f"attention mode {mode!r}: expected one of {', '.join(ATTENTION_MODES)}")
+    return mode == "flex" or (mode == "auto" and torch.device(device).type == "cuda")
 
 
 def context_padding_mask(lengths: torch.Tensor, context_slots: int, block_len: int) -> torch.Tensor:

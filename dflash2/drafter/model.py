@@ -63,13 +63,17 @@ _FLEX = {}
 
 
 def _flex_attention(q, k, v, block_mask):
-    """flex_attention, compiled once on CUDA (eager elsewhere: slow, debug only)."""
+    """flex_attention, compiled once per device type on CUDA (eager elsewhere: unfused, no
+    backward; the CPU tests' forward only).
+
+    q (N, H, S, hd), k/v (N, Hkv, L+S, hd) -> (N, H, S, hd). GQA by enable_gqa: the kernel
+    maps each query head to its kv head, no (N, H, L+S, hd) copy of k and v."""
     from torch.nn.attention.flex_attention import flex_attention
 
     key = q.is_cuda
     if key not in _FLEX:
         _FLEX[key] = torch.compile(flex_attention) if q.is_cuda else flex_attention
-    return _FLEX[key](q, k, v, block_mask=block_mask)
+    return _FLEX[key](q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class Attention(nn.Module):
@@ -103,13 +107,13 @@ class Attention(nn.Module):
         bk, bv = self.context_kv(x, cos, sin)  # (N, Hkv, S, hd)
         k = torch.cat([ctx_k.to(bk.dtype), bk], dim=2)  # (N, Hkv, L+S, hd): context first
         v = torch.cat([ctx_v.to(bv.dtype), bv], dim=2)
-        rep = self.h // self.hkv  # GQA: each kv head serves `rep` query heads
-        k = k[:, :, None].expand(-1, -1, rep, -1, -1).flatten(1, 2)  # (N, H, L+S, hd)
-        v = v[:, :, None].expand(-1, -1, rep, -1, -1).flatten(1, 2)
         if isinstance(mask, torch.Tensor):
+            rep = self.h // self.hkv  # GQA: each kv head serves `rep` query heads
+            k = k[:, :, None].expand(-1, -1, rep, -1, -1).flatten(1, 2)  # (N, H, L+S, hd)
+            v = v[:, :, None].expand(-1, -1, rep, -1, -1).flatten(1, 2)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
-            o = _flex_attention(q, k, v, mask)
+            o = _flex_attention(q, k, v, mask)  # GQA inside the kernel
         return self.o_proj(o.transpose(1, 2).reshape(N, S, self.h * self.hd))
 
 
@@ -311,6 +315,9 @@ class DFlashDrafter(nn.Module):
         positions anchor_j .. anchor_j+B-1; it sees context < anchor_j and its own block.
         Returns hidden (N, A, B, d); position k (1..B-1) predicts input_ids[anchor_j + k]
         (labels: ``dflash2.drafter.objective.block_labels``).
+        use_flex: FlexAttention over a ``BlockMask`` (block-sparse: cost in visited 128x128
+        tiles; ``drafter.attention``, CUDA by default) instead of SDPA over the dense
+        (N, 1, S, L+S) bool mask (O(S·(L+S)) memory and work; the CPU path and the reference).
         """
         N, L = input_ids.shape
         A, B = anchors.shape[1], self.config.block_size

@@ -16,6 +16,7 @@ import time
 import lightning as L
 import torch
 
+from dflash2.drafter.masks import uses_flex
 from dflash2.drafter.objective import (
     WeightTotal,
     anchor_generator,
@@ -32,7 +33,7 @@ from dflash2.drafter.objective import (
 from dflash2.errors import DFlash2Error
 from dflash2.training.chunked_head import HeadOutputs, chunked_head_outputs, head_outputs_from_logits
 from dflash2.training.data_parallel import all_reduce_sum, global_weight_share, world_size
-from dflash2.training.preflight import check_loss_chunk_positions, drafter_config_differences
+from dflash2.training.preflight import check_attention, check_loss_chunk_positions, drafter_config_differences
 from dflash2.training.schedule import cosine_with_warmup
 
 
@@ -55,6 +56,7 @@ class DrafterTrainingModule(L.LightningModule):
         target_id: str = "",
         selector_gold_injection: bool = False,
         loss_chunk_positions: int = 0,
+        attention: str = "auto",
     ):
         super().__init__()
         # What `with_drafter` needs to build the same module around another drafter object.
@@ -70,6 +72,7 @@ class DrafterTrainingModule(L.LightningModule):
             target_id=target_id,
             selector_gold_injection=selector_gold_injection,
             loss_chunk_positions=loss_chunk_positions,
+            attention=attention,
         )
         self.drafter = drafter
         # Weight decay goes to matrices. Decided here, on the parameters as built: FSDP replaces them by
@@ -85,6 +88,9 @@ class DrafterTrainingModule(L.LightningModule):
         # > 0: the loss through the LM head in chunks of that many positions (chunked_head.py); 0: the plain
         # path from full logits, kept as the reference (drafter.loss_chunk_positions, docs/TRAINING.md)
         self.loss_chunk_positions = check_loss_chunk_positions(loss_chunk_positions)
+        # auto | flex | dense: the drafter's training attention, decided per step on the batch's device
+        # (drafter.attention, docs/TRAINING.md "Block-sparse attention in training")
+        self.attention = check_attention(attention)
         self._last_step_time: float | None = None
         self.measured_tau_history: list[tuple[int, float]] = []  # filled by MeasuredTauCallback
 
@@ -131,8 +137,13 @@ class DrafterTrainingModule(L.LightningModule):
                 "a batch has no eligible anchor (no two consecutive response tokens); "
                 "check data.response_tokens and the loss mask"
             )
+        use_flex = uses_flex(self.attention, input_ids.device)
+        if use_flex and not input_ids.is_cuda and torch.is_grad_enabled():
+            raise DFlash2Error(
+                "drafter.attention=flex on the CPU: FlexAttention has no backward there; use drafter.attention=auto"
+            )
         hidden = self.drafter.training_forward(
-            taps, input_ids, self.target.embed_tokens, anchors, valid
+            taps, input_ids, self.target.embed_tokens, anchors, valid, use_flex=use_flex
         )  # (N, A, B, d)
         drafted = hidden[:, :, 1:]  # (N, A, P, d): block position k predicts token anchor + k
         labels, label_mask = block_labels(input_ids, loss_mask, anchors, valid, self.block_size)  # (N, A, P)

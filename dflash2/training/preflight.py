@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from dflash2.drafter.config import DrafterConfig
 from dflash2.drafter.folder_check import check_drafter_folder
+from dflash2.drafter.masks import ATTENTION_MODES
 from dflash2.errors import DFlash2Error
 from dflash2.safe_load import UnsafeFileError, load_torch_file
 
@@ -25,6 +28,25 @@ def check_loss_chunk_positions(value) -> int:
             "(positions per chunk of the loss through the LM head; 0 = the plain loss from full logits)"
         )
     return value
+
+
+def check_attention(value, device: str | None = None) -> str:
+    """``drafter.attention`` (auto | flex | dense; null = auto) as a string.
+
+    ``device``: the run's training device when known: flex on the CPU fails here, before
+    any data is made, rather than at the first backward (CPU FlexAttention has none)."""
+    mode = "auto" if value is None else value
+    if mode not in ATTENTION_MODES:
+        raise DFlash2Error(
+            f"drafter.attention={value!r} must be one of {', '.join(ATTENTION_MODES)} "
+            "(auto: block-sparse FlexAttention on CUDA, the dense mask elsewhere)"
+        )
+    if mode == "flex" and device is not None and torch.device(device).type == "cpu":
+        raise DFlash2Error(
+            "drafter.attention=flex on the CPU: FlexAttention has no backward there; "
+            "use drafter.attention=auto (dense on the CPU) or train on a GPU"
+        )
+    return mode
 
 
 def check_blocks_fit_the_data(config: DrafterConfig, num_anchors: int, data: dict) -> None:

@@ -36,6 +36,7 @@ from dflash2.training.full_drafter import check_supported_strategy, drafter_on_r
 from dflash2.training.launch import PREPARE_FIRST, external_world_size
 from dflash2.training.offline_features import OfflineFeatures, features_mode
 from dflash2.training.preflight import (
+    check_attention,
     check_blocks_fit_the_data,
     check_loss_chunk_positions,
     check_resume_checkpoint,
@@ -99,6 +100,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict | None:
     drafter.config.training_data = training_data_record(data, common["seed"], chat_template)
     check_blocks_fit_the_data(drafter.config, int(settings["num_anchors"]), data)
     loss_chunk = check_loss_chunk_positions(settings.get("loss_chunk_positions"))
+    attention = check_attention(settings.get("attention"), regeneration_device(cfg))
     check_sequences_fit_the_context(data, config.max_position_embeddings)
     resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
     resume_step = check_resume_checkpoint(resume_from, drafter.config) if resume_from is not None else None
@@ -137,6 +139,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict | None:
         target_id=str(target_dir),
         selector_gold_injection=bool(settings.get("selector_gold_injection", False)),
         loss_chunk_positions=loss_chunk,
+        attention=attention,
     )
     pad_id = (
         target.tokenizer.pad_token_id
