@@ -6,7 +6,6 @@ The whole run through `train.py` in 1 and 2 processes: tests/test_multi_process_
 
 from __future__ import annotations
 
-import os
 import socket
 from types import SimpleNamespace
 
@@ -136,13 +135,18 @@ class _Head(torch.nn.Module):
         return features @ self.weight
 
 
-def _rank_grads(rank: int, port: int, out: dict) -> None:
+def _rank_grads(rank: int, init_file: str, out: dict) -> None:
+    from datetime import timedelta
+
     from torch.nn.parallel import DistributedDataParallel
 
     from dflash2.training.data_parallel import all_reduce_sum, global_weight_share
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # A file rendezvous, not a TCP port: inside the full suite a port picked free can be taken by the
+    # time rank 0 binds it, and a rank then waits forever; the timeout turns any hang into an error.
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=120)
+    )
     try:
         features, head, labels, mask, weights = _problem()
         rows = slice(0, 2) if rank == 0 else slice(2, 5)
@@ -161,14 +165,14 @@ def _rank_grads(rank: int, port: int, out: dict) -> None:
         dist.destroy_process_group()
 
 
-def test_two_ranks_reproduce_the_one_process_loss_and_gradient_of_the_global_batch():
+def test_two_ranks_reproduce_the_one_process_loss_and_gradient_of_the_global_batch(tmp_path):
     features, head, labels, mask, weights = _problem()
     model = _Head(head)
     loss = weighted_block_loss(model(features), labels, mask, weights)
     loss.backward()
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_rank_grads, args=(free_port(), out), nprocs=2, join=True)
+        mp.spawn(_rank_grads, args=(str(tmp_path / "rendezvous"), out), nprocs=2, join=True)
         out = dict(out)
     grad, ddp_loss = out["global"]
     # One process sums the 5 rows in one reduction, the ranks 2 + 3 rows and then over ranks: fp32 rounding only.
