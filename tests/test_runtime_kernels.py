@@ -36,7 +36,7 @@ def _devices():
     return cpu + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def _close(a, b, dtype, device):
+def _assert_close(a, b, dtype, device):
     tol = TOL[dtype] if device == "cpu" or dtype == torch.float32 else dict(rtol=0.008, atol=0.008)  # one bf16 ulp
     torch.testing.assert_close(a.float(), b.float(), **tol)
 
@@ -52,15 +52,15 @@ def test_add_rms_norm(interpret, dtype, offset, residual):
         w = torch.randn(40, generator=g).to(device, dtype)
         h, y = add_rms_norm(x, r, w, 1e-6, offset)
         h_ref, y_ref = add_rms_norm_ref(x, r, w, 1e-6, offset)
-        _close(h, h_ref, dtype, device)
-        _close(y, y_ref, dtype, device)
+        _assert_close(h, h_ref, dtype, device)
+        _assert_close(y, y_ref, dtype, device)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul(interpret, dtype):
     for device in _devices():
         gu = torch.randn(2, 3, 2 * 1500, generator=torch.Generator().manual_seed(1)).to(device, dtype)
-        _close(silu_mul(gu), silu_mul_ref(gu), dtype, device)
+        _assert_close(silu_mul(gu), silu_mul_ref(gu), dtype, device)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -82,12 +82,12 @@ def test_qk_norm_rope_write(interpret, dtype, variant):
         shape = dict(num_heads=H, num_kv_heads=Hkv, head_dim=D, gated=gated, eps=1e-6, offset=gated)
         q = qk_norm_rope_write(qkv, qw, kw, cos, sin, pos, cache[0, 1], cache[1, 1], **shape)
         q_ref = qk_norm_rope_write_ref(qkv, qw, kw, cos, sin, pos, ref_cache[0, 1], ref_cache[1, 1], **shape)
-        _close(q, q_ref, dtype, device)
+        _assert_close(q, q_ref, dtype, device)
         written = torch.zeros(S, dtype=torch.bool)
         written[pos.flatten().cpu()] = True
         for n in range(N):  # exactly the block's positions of each row were written, nothing else
             cols = pos[n].cpu()
-            _close(cache[:, 1, n][:, :, cols], ref_cache[:, 1, n][:, :, cols], dtype, device)
+            _assert_close(cache[:, 1, n][:, :, cols], ref_cache[:, 1, n][:, :, cols], dtype, device)
             others = torch.tensor([s for s in range(S) if s not in cols.tolist()])
             assert cache[:, 1, n][:, :, others].isnan().all()
         assert cache[:, [0, 2]].isnan().all()  # other layers' slots untouched
