@@ -156,7 +156,8 @@ class DecodeState:
     gdn:     GDNState of the Gated DeltaNet layers, or None (attention-only targets).
 
     Use: ``meta = state.step_meta(T)``, run the forward (the model calls this itself),
-    then ``state.commit(n)``. Built by a model's ``new_state(batch_size, max_len)``.
+    then ``state.commit(n)``; ``state.flush()`` before reading GDN states outside a forward.
+    Built by a model's ``new_state(batch_size, max_len)``.
     """
 
     def __init__(self, lengths: torch.Tensor, kv: KVCache | None, gdn: GDNState | None):
@@ -195,3 +196,9 @@ class DecodeState:
         if self.gdn is not None:
             self.gdn.commit(n)
         self.lengths += n
+
+    def flush(self) -> None:
+        """Materialise the GDN states (a ReplaySSM commit may be deferred into the next verify:
+        GDNState.flush); call before reading them anywhere but in a forward. Idempotent."""
+        if self.gdn is not None:
+            self.gdn.flush()

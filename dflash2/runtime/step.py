@@ -139,6 +139,9 @@ def prefill(model, state, ids: torch.Tensor, lengths: torch.Tensor, taps_out=Non
     """
     out = model(ids, state, taps_out=taps_out, logits_index=lengths - 1)
     state.commit(lengths)
+    # a prompt as long as a reserved block would leave its fold pending; the first decode verify may be
+    # a captured graph of another block length, which can only fold its own: materialise here (eager)
+    state.flush()
     return out.logits
 
 
