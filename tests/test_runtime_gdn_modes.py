@@ -19,7 +19,7 @@ from test_runtime_engine import PROMPTS, ScriptedProposer
 from dflash2.decoding import greedy_generate
 from dflash2.runtime import load_model
 from dflash2.runtime.drafter import RuntimeDrafter
-from dflash2.runtime.engine import generate_ar, generate_spec
+from dflash2.runtime.engine import Decoder, generate_ar, generate_spec
 from dflash2.runtime.gdn_state import GDNState, resolve_gdn_mode
 from dflash2.runtime.kernels.triton_util import interpreting
 from dflash2.runtime.models import from_hf_model
@@ -91,6 +91,33 @@ def test_scripted_acceptance_equals_greedy(hybrid, mode):
     assert {0, B - 1} <= set(partial)  # zero accepted (commits exactly 1) and full, in the ragged row
     for acc, emitted in zip(res.accepted_drafts, res.emitted):  # accepted + 1 per step but a budget-cut last
         assert emitted[:-1] == [a + 1 for a in acc[:-1]]
+
+
+@pytest.mark.slow
+def test_deferred_commit_in_the_engine_equals_greedy_and_the_eager_fold(hybrid):
+    """ReplaySSM in the engine: the slot's reserved logs make every decode commit deferred into the next
+    verify. An oracle row (B tokens per step) beside a ragged one (0..B-1 drafts accepted), the oracle
+    finishing first (its later commits are 0): the tokens are HF's greedy tokens, the commits were
+    deferred (seen after every step), nothing is pending once generate_spec returns, and the final GDN
+    states equal bit for bit those of the same run with deferral off (the commit kernel folding at once)."""
+    _, folder, prompts, full = hybrid
+    model = load_model(folder, target_layer_ids=TAPS, gdn_mode="replay")
+    states, pending = {}, {}
+    for defer in (True, False):
+        proposer = ScriptedProposer(full[:2], ["oracle", "partial"], B, model.vocab_size)  # same draws each run
+        dec = Decoder(model, proposer, max_len=64, graphs=False)
+        gdn = dec.slot(2).state.gdn
+        gdn.defer = defer
+        seen = pending[defer] = []
+        dec.on_step = lambda s, seen=seen: seen.append(s.state.gdn._deferred)
+        res = dec.generate_spec(prompts[:2], N_NEW)
+        assert res.sequences == _greedy(full[:2], prompts[:2]), defer
+        oracle, partial = res.accepted_drafts
+        assert len(oracle) < len(partial) and {0, B - 1} <= set(partial)  # commits of 0, 1 and B tokens
+        assert gdn._deferred is None  # flushed at the end of the generation
+        states[defer] = (gdn.conv.clone(), gdn.rec.clone())
+    assert set(pending[True]) == {B} and set(pending[False]) == {None}
+    assert all(torch.equal(a, b) for a, b in zip(states[True], states[False]))
 
 
 @pytest.mark.slow
