@@ -16,15 +16,18 @@ from dflash2.runtime.kernels.triton_util import interpreting
 def test_bench_runs_on_cpu(tmp_path, capsys):
     out = tmp_path / "gdn.json"
     args = ["--device", "cpu", "--tiny", "--batch", "1", "2", "--block", "3", "--iters", "1", "--warmup", "0"]
-    rows = main([*args, "--dtype", "float32", "--modes", "replay", "native", "reference", "--out", str(out)])
-    assert [(r.batch, r.mode) for r in rows] == [(b, m) for b in (1, 2) for m in ("replay", "native", "reference")]
+    modes = ("replay", "replay_eager", "native", "reference")
+    rows = main([*args, "--dtype", "float32", "--modes", *modes, "--out", str(out)])
+    assert [(r.batch, r.mode) for r in rows] == [(b, m) for b in (1, 2) for m in modes]
     tiny = GDNShape.tiny()
     for r in rows:
         assert r.total_us > 0 and r.total_us == pytest.approx(r.verify_us + r.commit_us)
-        mode = "native" if r.mode == "native" else "replay"  # the reference logs what ReplaySSM logs
-        assert r.spec_bytes_per_request == spec_bytes(tiny, 3, mode, x_itemsize=4)
+        # the reference and the eager ReplaySSM log what ReplaySSM logs; the deferred commit adds its
+        # pending counts and stash
+        layout = "native" if r.mode == "native" else "replay"
+        assert r.spec_bytes_per_request == spec_bytes(tiny, 3, layout, x_itemsize=4, deferred=r.mode == "replay")
     printed = capsys.readouterr().out
-    assert "native ÷ replay" in printed and "| 2 | native |" in printed
+    assert "native ÷ replay" in printed and "| 2 | native |" in printed and "replay_eager ÷ replay" in printed
     assert out.exists()
 
 
@@ -38,6 +41,8 @@ def test_speculative_state_at_the_9b_shape():
         128,
         128,
     )
-    replay, native = spec_bytes(shape, 16, "replay"), spec_bytes(shape, 16, "native")
+    replay, native = spec_bytes(shape, 16, "replay", deferred=True), spec_bytes(shape, 16, "native")
     assert native / replay >= 20
+    # the deferred commit's own memory: counts of 32·128/16 programs per layer, one layer's k / g stash
+    assert replay - spec_bytes(shape, 16, "replay") == 24 * 256 * 4 + 16 * (16 * 128 + 32) * 4
     assert native == 24 * (16 * 32 * 128 * 128 * 4 + 16 * 8192 * 2)  # 16 fp32 states + x per layer
