@@ -148,3 +148,28 @@ def test_long_generation_on_the_gpu_equals_reference_mode(hf_targets, mode, monk
     assert out[mode] == out["reference"]
     model = load_model(folder, target_layer_ids=TAPS, gdn_mode=mode, device="cuda")
     assert generate_spec(model, RuntimeDrafter(drafter, model), PROMPTS, 300, graphs=True).sequences == out[mode]
+
+
+@pytest.mark.cuda
+def test_graphed_generations_leave_materialised_states(hf_targets, monkeypatch):
+    """CUDA graphs replay ReplaySSM's deferred commits without running any Python, so the flush at the
+    end of a generation must find them on its own: after each generation of a graphed Decoder (two
+    speculative ones, the second replaying everything, and an AR one in the same slot) the GDN states
+    are those an eager Decoder leaves, and nothing is left pending."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    hf, folder = hf_targets["qwen3_5"]
+    drafter = nontrivial_dflash2(spec_drafter(TargetModel(hf, target_layer_ids=TAPS), B, v2=True, seed=5)).cuda()
+    model = load_model(folder, target_layer_ids=TAPS, gdn_mode="replay", device="cuda")
+    decoders = [Decoder(model, RuntimeDrafter(drafter, model), max_len=128, graphs=g, pad=True) for g in (False, True)]
+    for run in ("spec", "spec", "ar"):
+        states = []
+        for dec in decoders:
+            out = dec.generate_spec(PROMPTS[:3], 40).sequences if run == "spec" else dec.generate_ar(PROMPTS[:3], 20)
+            gdn = dec.slot(3).state.gdn
+            states.append((out, gdn.conv.clone(), gdn.rec.clone()))
+            assert gdn._deferred is None and all(int(p.abs().sum()) == 0 for p in gdn._pend.values()), run
+        (out_e, conv_e, rec_e), (out_g, conv_g, rec_g) = states
+        assert out_e == out_g, run
+        torch.testing.assert_close(conv_g, conv_e, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(rec_g, rec_e, rtol=1e-5, atol=1e-5)
+    assert decoders[1].captures > 0

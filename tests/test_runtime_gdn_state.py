@@ -188,6 +188,11 @@ def test_flush_is_idempotent_and_a_no_op_without_a_pending_fold(monkeypatch):
     assert len(launches) == 2 and _same(lazy, eager)  # idempotent
     assert torch.equal(lazy.verify(0, x2, w, *gates2), eager.verify(0, x2, w, *gates2))
     assert _same(lazy, eager)  # the verify after a flush folds nothing more
+    lazy.commit(n, defer=False)  # a prefill's commit: folded at once even into reserved logs
+    eager.commit(n)
+    assert len(launches) == 4 and _same(lazy, eager) and lazy._deferred is None
+    lazy.flush()
+    assert len(launches) == 4
     for mode in ("reference", "native"):
         s, ref = _state(13, mode), _state(13, mode)
         s.reserve(T)

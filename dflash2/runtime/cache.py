@@ -186,15 +186,16 @@ class DecodeState:
         mask = mask.repeat(1, self.kv.groups, 1)[:, None]  # (N, 1, G·T, S), row g·T + t
         return StepMeta(positions, write_index, mask, kv_len, "causal")
 
-    def commit(self, n: torch.Tensor) -> None:
+    def commit(self, n: torch.Tensor, defer: bool = True) -> None:
         """Keep the first n[r] tokens of the last forward's block in row r; n (N,) long in [0, T].
 
         n[r] = 0 leaves row r unchanged (for rows that did not take part); a speculative
         step always commits ≥ 1 (the accepted drafts + the bonus token, or the correction).
-        Attention layers only need the new lengths; GDN layers replay n[r] logged tokens.
+        Attention layers only need the new lengths; GDN layers replay n[r] logged tokens (ReplaySSM:
+        deferred into the next forward unless ``defer=False``; GDNState.commit).
         """
         if self.gdn is not None:
-            self.gdn.commit(n)
+            self.gdn.commit(n, defer=defer)
         self.lengths += n
 
     def flush(self) -> None:

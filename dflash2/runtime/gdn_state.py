@@ -41,9 +41,10 @@ Why: at batch 1 the fold was a third latency-bound launch per layer that re-read
 whole state (docs/BENCHMARKS.md, issue 14). The consequence: between a commit and the next verify,
 ``conv`` / ``rec`` lag behind by the pending fold. Whatever reads them there must call
 :meth:`GDNState.flush` first (it folds with the commit kernel, bit for bit what the next verify
-would have done; idempotent); the engine does at the end of prefill and of every generation, and
-``reset`` drops a pending fold. Unreserved logs (prefill, ad-hoc calls) are folded at once, as in
-the other modes: a fresh log has no fixed address a captured verify could find it at.
+would have done; idempotent); the engine does at the end of every generation, and ``reset`` drops
+a pending fold. Unreserved logs (ad-hoc calls) and ``commit(n, defer=False)`` (prefill) are folded
+at once, as in the other modes: a fresh log has no fixed address a captured verify could find it
+at, and a prefill's first decode verify may be a captured graph of another block length.
 
 Shapes: N rows, T block tokens, C conv channels (2·Hk·d_k + H·d_v), K conv kernel,
 Hk key heads, H value heads (Hk divides H), L_g GDN layers.
@@ -136,13 +137,18 @@ class GDNState:
         self.logs: list[GDNLog | None] = [None] * num_layers
         self._static: dict[int, list[GDNLog]] = {}  # T -> per-layer logs at fixed addresses (reserve)
         self.defer = bool(defer)
-        # deferred commit (replay mode, reserved logs): pending counts (L_g, N, P) int32, one per program of
-        # the verify's recurrence kernel; per reserved T the (k, g) stash of the pending tokens (shared by
-        # the layers: a verify consumes it); the T whose reserved logs hold a fold that may still be pending
-        # (a host-side hint: the device counts say how many tokens, 0 once a verify has folded them)
-        self._pend: torch.Tensor | None = None
+        # The deferred commit (replay mode, reserved logs), per reserved T, at fixed addresses: the pending
+        # counts (L_g, N, P) int32, one per program of the verify's recurrence kernel, and the (k, g) stash of
+        # the pending tokens (shared by the layers: a verify consumes it). Per T because a pending fold can
+        # only be folded from the log of its own length, and a flush must know which log that is even when
+        # CUDA graphs replayed the commits (no Python runs then).
+        self._pend: dict[int, torch.Tensor] = {}
         self._stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Host-side hints of what may be pending: the T of the last deferred commit made in Python (exact
+        # for eager use), and every T whose commit was captured into a CUDA graph (its replays defer
+        # commits no Python sees: flush() always folds those T's counts, which are 0 if nothing is pending).
         self._deferred: int | None = None
+        self._captured: set[int] = set()
 
     def _native(self, T: int) -> bool:
         """Whether a T-token verify stores per-position states (native mode, short enough)."""
@@ -172,9 +178,8 @@ class GDNState:
         if self.mode == "replay":  # the deferred commit's counts and stash, at fixed addresses too
             f32 = dict(dtype=torch.float32, device=self.rec.device)
             self._stash[T] = (torch.zeros(N, T, self.num_k_heads, dk, **f32), torch.zeros(N, T, H, **f32))
-            if self._pend is None:
-                P = recur_programs(H, dv, self.kernel_options.get("block_v"))
-                self._pend = torch.zeros(L, N, P, dtype=torch.int32, device=self.rec.device)
+            P = recur_programs(H, dv, self.kernel_options.get("block_v"))
+            self._pend[T] = torch.zeros(L, N, P, dtype=torch.int32, device=self.rec.device)
 
     def use_static(self, T: int) -> None:
         """Point the logs a commit folds at the reserved T-token logs (what the last T-token verify wrote)."""
@@ -185,8 +190,8 @@ class GDNState:
         self.conv.zero_()
         self.rec.zero_()
         self.logs = [None] * len(self.logs)
-        if self._pend is not None:
-            self._pend.zero_()
+        for pend in self._pend.values():
+            pend.zero_()
         self._deferred = None
 
     def _defers(self, T: int) -> bool:
@@ -198,19 +203,25 @@ class GDNState:
 
         Bit for bit what the next verify would have folded (the same operations on the same values).
         A no-op without a pending commit, and idempotent: the counts are zeroed. Call it before reading
-        the states anywhere but in verify (the engine does after prefill and at the end of a generation).
-        Eager: it launches kernels, so not inside a graph capture (where nothing needs it).
+        the states anywhere but in verify (the engine does at the end of every generation). Eager: it
+        launches kernels (none when nothing can be pending), so not inside a graph capture. Where
+        commits were captured into CUDA graphs it always folds those block lengths' counts: their
+        replays are invisible to Python, and rows with a count of 0 are left untouched.
         """
-        if self._deferred is None:
+        lengths = set(self._captured)
+        if self._deferred is not None:
+            lengths.add(self._deferred)
+        if not lengths:
             return
         from dflash2.runtime.kernels.gdn_replay import gdn_replay_triton
 
         opts = {k: v for k, v in self.kernel_options.items() if k in ("block_v", "num_warps")}
-        logs = self._static[self._deferred]
-        n = self._pend[:, :, 0].contiguous()  # (L_g, N): the counts are equal across a row's programs
-        for slot, log in enumerate(logs):
-            gdn_replay_triton(self.conv[slot], self.rec[slot], log, n[slot], **opts)  # rows with n = 0: untouched
-        self._pend.zero_()
+        for T in sorted(lengths):
+            pend = self._pend[T]
+            n = pend[:, :, 0].contiguous()  # (L_g, N): the counts are equal across a row's programs
+            for slot, log in enumerate(self._static[T]):
+                gdn_replay_triton(self.conv[slot], self.rec[slot], log, n[slot], **opts)  # n = 0: untouched
+            pend.zero_()
         self._deferred = None
 
     def verify(
@@ -246,7 +257,7 @@ class GDNState:
 
         fold = None
         if self._defers(T):  # always, so that a captured verify is the same kernel whether a fold is pending
-            fold = PendingFold(self._pend[slot], *self._stash[T])
+            fold = PendingFold(self._pend[T][slot], *self._stash[T])
         o, self.logs[slot] = gdn_verify_triton(
             x,
             self.conv[slot],
@@ -274,18 +285,22 @@ class GDNState:
             )
         self.flush()
 
-    def commit(self, n: torch.Tensor) -> None:
+    def commit(self, n: torch.Tensor, defer: bool = True) -> None:
         """Fold n[r] tokens of the last verify into row r of every layer; n (N,) long in [0, T].
 
         In replay mode with the reserved logs of a T-token verify the fold is deferred: n is recorded
         (one copy into the pending counts of all layers) and the next T-token verify folds it, or
-        :meth:`flush`."""
+        :meth:`flush`. ``defer=False`` folds at once whatever the logs (a prefill: the first decode
+        verify, possibly a captured graph, may have another block length and could not fold it)."""
         if any(log is None for log in self.logs):
             raise RuntimeError("GDNState.commit without a verify of every GDN layer since the last commit")
         T = self.logs[0].x.shape[1]
-        if self._defers(T) and all(log is res for log, res in zip(self.logs, self._static[T])):
-            self._pend.copy_(n.view(1, -1, 1).expand_as(self._pend))  # int64 -> int32, every layer and program
+        if defer and self._defers(T) and all(log is res for log, res in zip(self.logs, self._static[T])):
+            pend = self._pend[T]
+            pend.copy_(n.view(1, -1, 1).expand_as(pend))  # int64 -> int32, every layer and program
             self._deferred = T
+            if self.rec.is_cuda and torch.cuda.is_current_stream_capturing():
+                self._captured.add(T)  # replays of this graph defer commits that flush() must find
             self.logs = [None] * len(self.logs)
             return
         if self.mode == "reference":
@@ -308,6 +323,5 @@ class GDNState:
         held = sum(log.nbytes() for log in self.logs if log is not None)
         T = next((log.x.shape[1] for log in self.logs if log is not None), None)
         if T is not None and self._defers(T):
-            held += self._pend.numel() * self._pend.element_size()
-            held += sum(t.numel() * t.element_size() for t in self._stash[T])
+            held += sum(t.numel() * t.element_size() for t in (self._pend[T], *self._stash[T]))
         return held
