@@ -235,8 +235,9 @@ class GDNState:
         dt_bias: torch.Tensor,
     ) -> torch.Tensor:
         """Layer ``slot``: x (N, T, C) pre-conv, conv_weight (C, 1, K), a / b (N, T, H) the raw gate
-        projections, A_log / dt_bias (H,) -> o (N, T, H, d_v) in x's dtype. The states are only read;
-        the log goes to the reserved addresses when T was reserved."""
+        projections, A_log / dt_bias (H,) -> o (N, T, H, d_v) in x's dtype. The states are only read,
+        but for a deferred commit, which is folded into them first; the log goes to the reserved
+        addresses when T was reserved."""
         T = x.shape[1]
         static = self._static.get(T)
         out = None if static is None else static[slot]

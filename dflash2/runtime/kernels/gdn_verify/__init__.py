@@ -87,6 +87,8 @@ def gdn_verify_triton(
             raise ValueError(f"fold.n {tuple(fold.n.shape)}: expected ({N}, {recur_programs(H, dv, bv)}) contiguous")
         if fold.k.shape != log.k.shape or fold.g.shape != log.g.shape:
             raise ValueError("fold.k / fold.g must have the log's k / g shapes")
+        if x.data_ptr() == log.x.data_ptr():  # the fold reads the previous block's x there
+            raise ValueError("x is the log's own x: the pending fold's inputs would be overwritten")
     if T == 0 or N == 0:
         return o, log
     f32 = dict(dtype=torch.float32, device=x.device)
