@@ -106,27 +106,19 @@ def gdn_prep_kernel(
     xl_row = x_log + i_n * stride_ln
     if FOLD:
         n = tl.load(pend + i_n * stride_pn).to(tl.int32)  # pending tokens of the previous block
-        # the previous block's k / g of the pending tokens, for the recurrence kernel's fold: this
-        # program overwrites them below, and other programs of the recurrence still need them
-        if (j >= HK) & (j < 2 * HK):
-            for t0 in range(0, n, BT):
-                o_t = t0 + tl.arange(0, BT)
-                m = (o_t < n)[:, None] & m_c[None, :]
-                p = ((i_n * T + o_t)[:, None] * HK + i_hk) * DK + o_c[None, :]
-                tl.store(stash_k + p, tl.load(k_out + p, mask=m, other=0.0), mask=m)
-        if is_v:
-            for t0 in range(0, n, BT):
-                o_t = t0 + tl.arange(0, BT)
-                p = (i_n * T + o_t) * H + i_h
-                tl.store(stash_g + p, tl.load(g_out + p, mask=o_t < n, other=0.0), mask=o_t < n)
-        # the rolled window: column w = column n + w of [old window (KW-1) | previous x]
+        # of those, the logged k (k programs) and g (v programs) go to the stash the recurrence kernel folds
+        # from (many of its programs read them; this program overwrites them with the new block's): each
+        # chunk below loads its rows before the barrier and stores them after, off the critical path
+        n_k = tl.where((j >= HK) & (j < 2 * HK), n, 0)
+        n_g = tl.where(is_v, n, 0)
+        # the rolled window: column w = column n + w of [old window (KW-1) | previous x], loaded now (in
+        # flight while the conv runs), stored after the first chunk's barrier
         o_w = tl.arange(0, BW)
         src_w = n + o_w
         m_w = (o_w < KW - 1)[:, None] & m_c[None, :]
         from_w = (src_w < KW - 1)[:, None]
         w_old = tl.load(conv_row + ch[None, :] * stride_cc + src_w[:, None], mask=m_w & from_w, other=0.0)
         w_x = tl.load(xl_row + (src_w - (KW - 1))[:, None] * stride_lt + ch[None, :], mask=m_w & ~from_w, other=0.0)
-        window = tl.where(from_w, w_old, w_x.to(w_old.dtype))
         # only the first chunk's taps reach back into the window, so its barrier (below) orders every
         # read of old values before every overwrite
         tl.static_assert(BT >= KW - 1)
@@ -140,6 +132,11 @@ def gdn_prep_kernel(
         o_t = t0 + tl.arange(0, BT)
         m_t = o_t < T
         tok = i_n * T + o_t  # (BT,) flat token index
+        if FOLD:  # this chunk's rows of the pending tokens' k / g (q programs: none; i_h < 0 is masked)
+            p_k = (tok[:, None] * HK + i_hk) * DK + o_c[None, :]
+            m_pk = (o_t < n_k)[:, None] & m_c[None, :]
+            old_k = tl.load(k_out + p_k, mask=m_pk, other=0.0)
+            old_g = tl.load(g_out + tok * H + h_gate, mask=o_t < n_g, other=0.0)
         # SiLU(causal conv): token t reads columns t .. t+KW-1 of [window (KW-1) | x_0 .. x_{T-1}];
         # window column c is column n + c of [conv state | previous x] (n = 0 without a pending fold)
         acc = tl.zeros([BT, BC], dtype=tl.float32)
@@ -174,7 +171,10 @@ def gdn_prep_kernel(
             # every thread's reads of the old window, the previous x and the logged k / g are done
             # before any thread of this program overwrites them (they hold different elements)
             tl.debug_barrier()
+            tl.store(stash_k + p_k, old_k, mask=m_pk)
+            tl.store(stash_g + tok * H + h_gate, old_g, mask=o_t < n_g)
             if (t0 == 0) & (n > 0):  # n = 0: the window stays as it is
+                window = tl.where(from_w, w_old, w_x.to(w_old.dtype))
                 tl.store(conv_row + ch[None, :] * stride_cc + o_w[:, None], window, mask=m_w)
         if STORE_X:  # the last tap's `new` is x_t itself: the log keeps the block for the next roll
             tl.store(xl_row + o_t[:, None] * stride_lt + ch[None, :], new, mask=m_t[:, None] & m_c[None, :])
