@@ -143,6 +143,12 @@ def gdn_prep_kernel(
         for jj in tl.static_range(KW):
             col = o_t + jj
             in_window = col < KW - 1
+            # the block's own inputs first: they do not wait for the pending count n
+            new = tl.load(
+                x_row + (col - (KW - 1))[:, None] * stride_xt + ch[None, :],
+                mask=(~in_window & m_t)[:, None] & m_c[None, :],
+                other=0.0,
+            )
             src = n + col
             old = tl.load(
                 conv_row + ch[None, :] * stride_cc + src[:, None],
@@ -156,11 +162,6 @@ def gdn_prep_kernel(
                     other=0.0,
                 )
                 old = tl.where((src < KW - 1)[:, None], old, prev.to(old.dtype))
-            new = tl.load(
-                x_row + (col - (KW - 1))[:, None] * stride_xt + ch[None, :],
-                mask=(~in_window & m_t)[:, None] & m_c[None, :],
-                other=0.0,
-            )
             w_j = tl.load(w + ch * KW + jj, mask=m_c, other=0.0).to(tl.float32)
             acc += w_j[None, :] * (old.to(tl.float32) + new.to(tl.float32))
         # the reference convolves in the model dtype and applies SiLU there: round twice as it does
@@ -265,18 +266,24 @@ def gdn_recur_kernel(
     p_rec = rec + i_n * stride_rn + i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
     # masked lanes (BK > DK, BV > DV) load 0 and stay 0 through the recurrence
     h = tl.load(p_rec, mask=m_h, other=0.0)
+    # every load that depends on nothing is issued up front, so their latencies overlap: the pending
+    # count, the first two pending tokens' rows (stale rows if fewer are pending: loaded, never used)
+    # and the first two block tokens' rows (the prep kernel's output; needed after the fold)
     if FOLD:
         p_n = pend + i_n * stride_pn + i_h * tl.num_programs(0) + i_v
         n = tl.load(p_n)
+        fg_0, fk_0, fu_0 = _fold_rows(stash_k, stash_g, log_u, i_n, i_h, i_hk, 0, T, o_k, o_v, m_k, m_v, HK, H, DK, DV)
+        fg_1, fk_1, fu_1 = _fold_rows(stash_k, stash_g, log_u, i_n, i_h, i_hk, 1, T, o_k, o_v, m_k, m_v, HK, H, DK, DV)
+    q_0, k_0, v_0, g_0, beta_0 = _token_rows(
+        q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, 0, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
+    )
+    q_1, k_1, v_1, g_1, beta_1 = _token_rows(
+        q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, 1, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
+    )
+    if FOLD:
         if n > 0:
             # the deferred commit: gdn_replay_kernel's fold on the tile in registers, same operations in
             # the same order (bit for bit the state it would have written); two tokens prefetched
-            fg_0, fk_0, fu_0 = _fold_rows(
-                stash_k, stash_g, log_u, i_n, i_h, i_hk, 0, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
-            )
-            fg_1, fk_1, fu_1 = _fold_rows(
-                stash_k, stash_g, log_u, i_n, i_h, i_hk, 1, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
-            )
             for t in range(0, n):
                 fg_2, fk_2, fu_2 = _fold_rows(
                     stash_k, stash_g, log_u, i_n, i_h, i_hk, t + 2, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
@@ -289,12 +296,6 @@ def gdn_recur_kernel(
             tl.store(p_n, n * 0)  # consumed: a second verify without a commit folds nothing
         # the fold's reads of the old u are done in every thread before the new block's u is stored
         tl.debug_barrier()
-    q_0, k_0, v_0, g_0, beta_0 = _token_rows(
-        q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, 0, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
-    )
-    q_1, k_1, v_1, g_1, beta_1 = _token_rows(
-        q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, 1, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
-    )
     for t in range(T):
         # the rows two tokens ahead first: their loads are in flight while this token's step runs
         q_2, k_2, v_2, g_2, beta_2 = _token_rows(
