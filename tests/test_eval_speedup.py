@@ -103,10 +103,14 @@ def test_random_shape_predicts_and_labels_it(tmp_path, monkeypatch):
     res = json.loads((out / "results.json").read_text())
     _check(res, [1])
     assert res["random_weights"] is True and "shape=tiny" in res["label"]
+    # the config's attention (default = triton) is recorded beside what ran: CPU tensors outside the
+    # interpreter's on_cpu() run SDPA; no ablation row on the CPU
+    assert res["attention_setting"] == "default" and res["attention"] == "sdpa"
+    assert "ablation_ar_batch1_no_fused_kernels" not in res
     (pred,) = res["batches"]["1"]["predicted"]
     assert pred["tau"] == 2.5 and pred["label"] == "prediction" and pred["speedup"] > 0
     md = (out / "results.md").read_text()
-    assert "**prediction** at τ = 2.50" in md
+    assert "**prediction** at τ = 2.50" in md and ", attention sdpa;" in md
     # Qwen3 has no GDN layers: the config's modes are recorded as not applicable, the runtime runs once
     gdn = res["gdn"]
     assert gdn == {"applicable": False, "requested": ["replay", "native"], "reason": "the target has no GDN layers"}
@@ -132,6 +136,41 @@ def test_unknown_gdn_mode_is_one_line(pair_dirs, monkeypatch, capsys, tmp_path):
         "error: gdn_modes ['fastest'] not known; use some of ['auto', 'reference', 'replay', 'native']"
     ]
     assert not (out / "results.json").exists()
+
+
+def test_unknown_attention_is_one_line(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        _cli(monkeypatch, "shape=tiny", "attention=flash", f"paths.output_dir={out}")
+    err = capsys.readouterr().err  # checked before the pair is built: nothing else on stderr
+    assert e.value.code == 2 and err.splitlines() == [
+        "error: attention=flash: attention backend 'flash' not known; use one of default, triton, sdpa, efficient"
+    ]
+    assert not (out / "results.json").exists()
+
+
+def test_report_names_the_attention_that_ran():
+    from dflash2.eval.speedup_report import markdown
+
+    stat = {"median": 1.0, "min": 1.0, "max": 1.0}
+    res = {
+        "label": "x",
+        "date": "d",
+        "device": "H200",
+        "dtype": "bfloat16",
+        "block_size": 16,
+        "weight_bytes": 1e9,
+        "copy_bandwidth_GBps": 4000.0,
+        "bound_ms_per_step": 0.5,
+        "random_weights": True,
+        "attention": "triton",
+        "batches": {},
+        "gdn": {"applicable": False, "requested": [], "reason": "the target has no GDN layers"},
+        "ablation_ar_batch1_no_fused_kernels": {"ms_per_step": stat, "attention": "sdpa", "gdn_mode": None},
+    }
+    md = markdown(res)
+    assert ", attention triton (prefill: SDPA);" in md
+    assert "without our Triton kernels (eager twins in the graphs, attention sdpa): 1.000 [1.000–1.000]" in md
 
 
 def test_nothing_to_measure_is_one_line(monkeypatch, capsys, tmp_path):

@@ -158,7 +158,8 @@ def test_cross_mode_check_names_the_first_divergence(hybrid):
 @pytest.mark.cuda
 def test_three_modes_on_the_gpu_agree(hf_targets, monkeypatch, tmp_path):
     """fp32, CUDA graphs, ragged batch of 4 and batch 1, 300 tokens: ReplaySSM (headline), native and the
-    plain-PyTorch reference emit the same tokens, spec == AR in each; the per-layer bench is timed."""
+    plain-PyTorch reference emit the same tokens, spec == AR in each; the per-layer bench is timed. Attention:
+    the Triton decode kernel (the default backend), SDPA in the no-Triton-kernels ablation."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # the reference conv in full fp32
     hf, folder = hf_targets["qwen3_5"]
     model = load_model(folder, target_layer_ids=TAPS, device="cuda")
@@ -178,6 +179,8 @@ def test_three_modes_on_the_gpu_agree(hf_targets, monkeypatch, tmp_path):
     )
     assert res["gdn"]["modes"] == ["replay", "native", "reference"]
     assert res["ablation_ar_batch1_no_fused_kernels"]["gdn_mode"] == "replay" and "profile_ar_batch1" in res
+    # the default attention on CUDA is the Triton kernel; the ablation (no Triton kernels) runs SDPA
+    assert res["attention"] == "triton" and res["ablation_ar_batch1_no_fused_kernels"]["attention"] == "sdpa"
     for N in ("1", "4"):
         row = res["batches"][N]
         assert row["gdn_mode"] == "replay" and list(row["other_gdn_modes"]) == ["native", "reference"]

@@ -6,11 +6,13 @@ and 8, below the 16-wide dot tile), T = 1, 4, 16, ragged rows with 0 cached keys
 that fills the attended length, lengths that are no multiple of the key tile or the chunk,
 one chunk, the automatic split and an explicit 3-way split of 16-key tiles; both mask rules
 (the target's causal block, the drafter's whole block). Keys past the attended length are
-NaN: the kernel must never load them. Then ``KVCache.attend`` with
-``set_attention_backend("triton")`` equals the default SDPA path for the target's and the
+NaN: the kernel must never load them. Then the backend names: 'default' (and None, and the
+setting a fresh process starts with) is 'triton', 'sdpa' is PyTorch's SDPA exactly as before
+(the default until the kernel was measured), an unknown name is one line listing them all.
+``KVCache.attend`` with the triton backend equals the sdpa path for the target's and the
 drafter's metadata, falls back to SDPA where the kernel does not apply, and a whole
-speculative generation with it equals the default backend token for token. On a GPU: the
-kernel inside a CUDA graph follows lengths changed between replays.
+speculative generation with it equals HF greedy token for token. On a GPU: the kernel inside
+a CUDA graph follows lengths changed between replays.
 
 Tolerances: fp32 uses IEEE fp32 dots, so only summation order differs (1e-5). In bf16 / fp16
 the kernel rounds its output once and the twin rounds its fp32 result once (rtol: two units in
@@ -21,12 +23,22 @@ truncation unit of each weight (2^-8 bf16, 2^-10 fp16) times |v| ≲ 4 (normal v
 """
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dflash2.runtime import kernels
-from dflash2.runtime.cache import DecodeState, KVCache, attention_backend, set_attention_backend
+from dflash2.runtime.cache import (
+    BACKENDS,
+    DecodeState,
+    KVCache,
+    attention_backend,
+    attention_in_use,
+    set_attention_backend,
+)
 from dflash2.runtime.kernels import attention as attn_kernels
 from dflash2.runtime.kernels.attention import decode_attention, decode_attention_ref, plan
 
@@ -135,15 +147,57 @@ def test_kernel_refuses_what_it_cannot_do():
 
 
 def test_set_attention_backend_names():
+    """'default' and None are the triton kernel; 'sdpa' and 'efficient' are themselves; others: one line."""
     old = attention_backend()
     try:
-        for name in ("default", "efficient", "triton"):
+        assert BACKENDS == ("default", "triton", "sdpa", "efficient")
+        for name, resolved in (("default", "triton"), (None, "triton"), ("sdpa", "sdpa"), ("efficient", "efficient")):
+            set_attention_backend("sdpa" if resolved == "triton" else "triton")  # from a different setting
             set_attention_backend(name)
-            assert attention_backend() == name
-        set_attention_backend(None)
-        assert attention_backend() == "default"
-        with pytest.raises(ValueError, match="default, efficient, triton"):
-            set_attention_backend("flash")
+            assert attention_backend() == resolved
+            set_attention_backend(attention_backend())  # the resolved name round-trips
+            assert attention_backend() == resolved
+        for bad in ("flash", "Default", "cudnn"):
+            with pytest.raises(ValueError) as e:
+                set_attention_backend(bad)
+            assert str(e.value) == f"attention backend {bad!r} not known; use one of default, triton, sdpa, efficient"
+        assert attention_backend() == "efficient"  # a refused name changes nothing
+    finally:
+        set_attention_backend(old)
+
+
+def test_fresh_process_defaults_to_triton():
+    """Nothing set: a new process's backend is 'triton' (other tests here restore what they change)."""
+    from conftest import subprocess_env
+
+    code = "from dflash2.runtime.cache import attention_backend; print(attention_backend())"
+    command = [sys.executable, "-c", code]
+    out = subprocess.run(command, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["triton"]
+
+
+def test_attention_in_use_applies_the_fallbacks():
+    """What decode blocks on a device run: triton on CUDA (CPU: only inside on_cpu() under the interpreter),
+    SDPA under kernels(False) (eval.speedup's ablation row) and for the sdpa / efficient names."""
+    old = attention_backend()
+    try:
+        set_attention_backend("default")
+        assert attention_in_use("cpu") == "sdpa"
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            with kernels.on_cpu():
+                assert attention_in_use("cpu") == "triton"
+                with kernels.kernels(False):
+                    assert attention_in_use("cpu") == "sdpa"
+        for name in ("sdpa", "efficient"):
+            set_attention_backend(name)
+            assert attention_in_use("cpu") == "sdpa"  # efficient restricts CUDA SDPA only
+        if torch.cuda.is_available():
+            for name, used in (("default", "triton"), ("sdpa", "sdpa"), ("efficient", "efficient")):
+                set_attention_backend(name)
+                assert attention_in_use("cuda") == used
+                with kernels.kernels(False):
+                    assert attention_in_use("cuda") == ("efficient" if name == "efficient" else "sdpa")
     finally:
         set_attention_backend(old)
 
@@ -168,7 +222,7 @@ def _cache(N, hkv, G, D, S_max, dtype, device, lengths):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attend_triton_equals_default(interpret, triton_backend, monkeypatch, dtype):
+def test_attend_triton_equals_sdpa(interpret, triton_backend, monkeypatch, dtype):
     """KVCache.attend through the kernel == through SDPA: target (causal) and drafter (block) metadata."""
     from dflash2.runtime.drafter import DraftContext
 
@@ -184,14 +238,43 @@ def test_attend_triton_equals_default(interpret, triton_backend, monkeypatch, dt
                 calls.clear()
                 y = kv.attend(1, q, meta)
                 assert calls == [rule]  # the kernel ran, with the rule the metadata states
-                set_attention_backend("default")
+                set_attention_backend("default")  # the same kernel
+                assert torch.equal(kv.attend(1, q, meta), y) and calls == [rule, rule]
+                set_attention_backend("sdpa")
                 ref = kv.attend(1, q, meta)
                 set_attention_backend("triton")
+                assert calls == [rule, rule]  # sdpa never reaches the kernel
                 torch.testing.assert_close(y.float(), ref.float(), **TOL[dtype])
 
 
+def test_sdpa_backend_is_plain_sdpa(interpret, monkeypatch):
+    """'sdpa' is what the default was before the kernel: F.scaled_dot_product_attention over the folded
+    query rows with the dense mask, bit for bit, never the kernel (even where the kernel could run)."""
+    from dflash2.runtime.drafter import DraftContext
+
+    calls = _spy(monkeypatch)
+    N, hkv, G, D = 3, 2, 3, 32
+    old = attention_backend()
+    set_attention_backend("sdpa")
+    try:
+        for device in dict.fromkeys(["cpu", *_devices()]):  # the CPU even without the interpreter
+            kv, state = _cache(N, hkv, G, D, 96, torch.float32, device, [0, 13, 50])
+            ctx = DraftContext(state.lengths, kv, None)
+            for T, kv_len in ((1, 64), (5, 64), (16, 96), (17, 96)):
+                q = torch.randn(N, hkv * G, T, D, device=device)
+                for meta in (state.step_meta(T, kv_len), ctx.meta(T, kv_len)):
+                    y = kv.attend(1, q, meta)
+                    k, v = kv.k[1, :, :, :kv_len], kv.v[1, :, :, :kv_len]
+                    qg = q.reshape(N, hkv, G * T, D)
+                    ref = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.mask).reshape(N, hkv * G, T, D)
+                    assert torch.equal(y, ref)
+        assert calls == []
+    finally:
+        set_attention_backend(old)
+
+
 def test_attend_triton_falls_back_to_sdpa(interpret, triton_backend, monkeypatch):
-    """Where the kernel does not apply, attend is the default path exactly: prefill-length blocks
+    """Where the kernel does not apply, attend is the sdpa path exactly: prefill-length blocks
     (T > TRITON_MAX_T), a sliding-window drafter mask (no rule), the kernels switched off."""
     from dflash2.runtime.drafter import DraftContext
 
@@ -207,7 +290,7 @@ def test_attend_triton_falls_back_to_sdpa(interpret, triton_backend, monkeypatch
         with kernels.kernels(False):
             outs.append(kv.attend(0, *cases[2]))
         assert calls == []
-        set_attention_backend("default")
+        set_attention_backend("sdpa")
         for (q, m), y in zip(cases, outs):
             assert torch.equal(y, kv.attend(0, q, m))
         set_attention_backend("triton")
@@ -220,7 +303,7 @@ def test_attend_triton_on_cpu_tensors_outside_on_cpu(triton_backend, monkeypatch
     q = torch.randn(2, 2, 4, 16)
     y = kv.attend(0, q, state.step_meta(4, 32))
     assert calls == []
-    set_attention_backend("default")
+    set_attention_backend("sdpa")
     assert torch.equal(y, kv.attend(0, q, state.step_meta(4, 32)))
 
 

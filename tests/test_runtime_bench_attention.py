@@ -20,7 +20,7 @@ def test_bench_runs_on_cpu(tmp_path, capsys):
     rows = main([*args, "--warmup", "0", "--dtype", "float32", "--out", str(out)])
     configs = [(b, t) for b in (1, 2) for t in (1, 3)]
     assert [(r.batch, r.T, r.backend) for r in rows] == [
-        (b, t, k) for b, t in configs for k in ("default", "efficient", "triton")
+        (b, t, k) for b, t in configs for k in ("sdpa", "efficient", "triton")
     ]
     tiny = AttnShape.tiny()
     for r in rows:
@@ -29,5 +29,5 @@ def test_bench_runs_on_cpu(tmp_path, capsys):
         assert r.kv_bytes == 2 * r.batch * tiny.num_kv_heads * (5 + r.T) * tiny.head_dim * 4
         assert bool(r.options) == (r.backend == "triton")
     printed = capsys.readouterr().out
-    assert "| 2 | 3 | 5 | 256 | triton |" in printed and "default ÷ triton" in printed
+    assert "| 2 | 3 | 5 | 256 | triton |" in printed and "sdpa ÷ triton" in printed
     assert len(json.loads(out.read_text())["rows"]) == len(rows)

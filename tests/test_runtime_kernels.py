@@ -95,7 +95,8 @@ def test_qk_norm_rope_write(interpret, dtype, variant):
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_model_forward_with_kernels_equals_twins(interpret, hf_targets, device):
-    """A whole forward (prefill + a verify block) of every family with every kernel on == twins only."""
+    """A whole forward (prefill + a verify block) of every family with every kernel on (decode attention
+    too: the default backend, for both blocks of ≤ 16 tokens) == twins and SDPA only."""
     if device not in _devices():
         pytest.skip(f"no {device} kernels here")
     for kind in ("qwen3", "llama", "qwen3_5"):

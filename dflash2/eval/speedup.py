@@ -18,6 +18,12 @@ with the target's logit margin between the two tokens in the run's dtype. Random
 shapes give real step times but meaningless τ: speedups there are predictions from a
 given τ and the measured step times, and labelled so.
 
+Attention runs whatever ``set_attention_backend`` chose (the runtime's default: the Triton decode
+kernel on CUDA); ``results["attention"]`` records what decode blocks actually ran on the device
+(``cache.attention_in_use``). The ablation row (``ablate_kernels``, GPU) is runtime AR at batch 1
+without our Triton kernels (``kernels(False)``): eager twins of the fused kernels and PyTorch's SDPA
+for attention (its ``attention`` field says so); GDN layers keep the headline mode (its ``gdn_mode``).
+
 A hybrid target (Gated DeltaNet layers) runs (b) and (c) once per GDN mode of ``gdn_modes``
 (ReplaySSM, native rollback, ...; speedup_gdn.py): each mode's lossless flag compares its own (c)
 with its own (b), and each mode's (b) and (c) are also compared with the first mode's (b) token for
@@ -39,6 +45,7 @@ import torch
 from dflash2.eval import speedup_gdn
 from dflash2.eval.speedup_report import PHASES, write_results
 from dflash2.runtime import Decoder, kernels
+from dflash2.runtime.cache import attention_in_use
 from dflash2.runtime.graphs import PhaseTimer
 
 
@@ -247,7 +254,8 @@ def run_speedup(
     gdn_modes: for a hybrid target, (b) and (c) are measured once per mode (speedup_gdn.py); the first is
     the headline row, the others go to each batch row's ``other_gdn_modes``. Ignored (recorded as not
     applicable) for a target without GDN layers. gdn_bench_iters: replays per phase of the per-layer bench.
-    extra: settings recorded in the results as they are (e.g. the attention backend)."""
+    extra: settings recorded in the results as they are (e.g. the attention backend asked for); the attention
+    that ran is recorded as ``attention`` regardless."""
     target, drafter = pair.target, pair.drafter
     device = target.embed.weight.device
     B = drafter.block_size
@@ -268,6 +276,7 @@ def run_speedup(
         "weight_bytes": wbytes,
         "bound_ms_per_step": bound_ms,
         **(extra or {}),
+        "attention": attention_in_use(device),  # what decode blocks ran (prefill: SDPA), fallbacks applied
         "gdn": speedup_gdn.summary(target, gdn_modes, modes, B),
         "batches": {},
     }
@@ -301,11 +310,13 @@ def run_speedup(
                 if profile and device.type == "cuda":
                     results["profile_ar_batch1"] = profile_ar_step(dec, 1)
                 if ablate_kernels and device.type == "cuda":
-                    with kernels.kernels(False):  # the same graphs with the eager twins inside: what the fusion buys
+                    # the same graphs with the eager twins inside and SDPA attention: what our Triton kernels buy
+                    with kernels.kernels(False):
                         plain = Decoder(target, None, max_len=max_len)
                         results["ablation_ar_batch1_no_fused_kernels"] = {
                             **_strip(time_runtime(plain, pair.prompts[:1], max_new_tokens, runs, spec=False)),
                             "gdn_mode": mode,
+                            "attention": attention_in_use(device),
                         }
                     del plain
             del dec

@@ -64,7 +64,10 @@ def run(cfg) -> dict:
 
     modes = cfg.gdn_modes
     modes = check_names([modes] if isinstance(modes, str) else modes)  # gdn_modes=replay: one mode; typos first
-    set_attention_backend(cfg.attention)
+    try:
+        set_attention_backend(cfg.attention)
+    except ValueError as e:
+        raise DFlash2Error(f"attention={cfg.attention}: {e}") from None
     pair = build_pair(cfg)
     taus = [float(t) for t in cfg.predict_taus] if pair.random else []
     results = run_speedup(
@@ -79,7 +82,7 @@ def run(cfg) -> dict:
         ablate_kernels=bool(cfg.ablate_kernels),
         gdn_modes=modes,
         output_dir=cfg.paths.output_dir,
-        extra={"attention": cfg.attention or "default"},
+        extra={"attention_setting": cfg.attention or "default"},  # results["attention"]: what ran
     )
     print(f"results in {cfg.paths.output_dir}")
     return results

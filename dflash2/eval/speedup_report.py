@@ -21,6 +21,11 @@ def _label(method: str, mode: str | None) -> str:
     return f"{method} ({mode})" if mode else method
 
 
+def _attention(name: str) -> str:
+    """What decode blocks ran, with what the Triton kernel leaves to SDPA."""
+    return f"{name} (prefill: SDPA)" if name == "triton" else name
+
+
 def _fmt(s: dict, digits: int = 2) -> str:
     return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}–{s['max']:.{digits}f}]"
 
@@ -31,7 +36,7 @@ def markdown(results: dict) -> str:
         f"# eval.speedup — {results['label']}",
         "",
         f"{results['date']}, {results['device']}, {results['dtype']}, block {results['block_size']}, "
-        f"attention {results.get('attention', 'default')}; "
+        f"attention {_attention(results.get('attention', '?'))}; "
         f"weights read per step {results['weight_bytes'] / 1e9:.4g} GB, copy bandwidth "
         f"{results['copy_bandwidth_GBps']:.0f} GB/s (measured in this run) -> bound {bound:.3f} ms/step. "
         "Median [min–max] over runs.",
@@ -94,7 +99,8 @@ def markdown(results: dict) -> str:
     if abl:
         lines += [
             "",
-            f"Ablation: runtime AR batch 1 without the fused kernels (eager twins in the graphs): "
+            f"Ablation: runtime AR batch 1 without our Triton kernels (eager twins in the graphs, attention "
+            f"{abl.get('attention', '?')}): "
             f"{_fmt(abl['ms_per_step'], 3)} ms/step ({bound / abl['ms_per_step']['median']:.0%} of bound).",
         ]
     return "\n".join(lines) + "\n"

@@ -1,4 +1,4 @@
-"""Decode attention per layer call: PyTorch SDPA (default, efficient) vs the Triton split-K kernel.
+"""Decode attention per layer call: PyTorch SDPA (sdpa: its own choice; efficient) vs the Triton split-K kernel.
 
     python -m dflash2.runtime.bench_attention --device cuda                 # Qwen3-8B shape, the table below
     python -m dflash2.runtime.bench_attention --device cuda --sweep         # also the kernel's split / tile options
@@ -41,7 +41,7 @@ from dflash2.runtime.cache import DecodeState, KVCache, attention_backend, set_a
 from dflash2.runtime.engine import GRAPH_KV_BUCKET, _kv_len
 from dflash2.runtime.kernels.attention import decode_attention, decode_attention_ref, plan
 
-BACKENDS = ("default", "efficient", "triton")
+BACKENDS = ("sdpa", "efficient", "triton")  # triton: the runtime's default
 
 
 @dataclass
@@ -218,7 +218,7 @@ def sweep(shape: AttnShape, N: int, T: int, cached: int, **kw) -> Row | None:
 
 
 def report(rows: list[Row], shape: AttnShape) -> str:
-    """Markdown table, plus triton ÷ default per configuration and the per-step sum over the layers."""
+    """Markdown table, plus sdpa ÷ triton per configuration and the per-step sum over the layers."""
     lines = [
         f"Decode attention per layer call ({shape.num_heads} q / {shape.num_kv_heads} kv heads, head_dim "
         f"{shape.head_dim}; a step has {shape.num_layers} layers)",
@@ -239,11 +239,11 @@ def report(rows: list[Row], shape: AttnShape) -> str:
     by = {(r.batch, r.T, r.cached, r.backend): r for r in rows}
     lines.append("")
     for N, T, cached in sorted({(r.batch, r.T, r.cached) for r in rows}):
-        base, tri = by.get((N, T, cached, "default")), by.get((N, T, cached, "triton"))
+        base, tri = by.get((N, T, cached, "sdpa")), by.get((N, T, cached, "triton"))
         if base and tri:
             lines.append(
-                f"batch {N}, T {T}, cached {cached}: triton {tri.us_per_call:.2f} µs vs default SDPA "
-                f"{base.us_per_call:.2f} µs: default ÷ triton = {base.us_per_call / tri.us_per_call:.2f}×"
+                f"batch {N}, T {T}, cached {cached}: triton {tri.us_per_call:.2f} µs vs SDPA "
+                f"{base.us_per_call:.2f} µs: sdpa ÷ triton = {base.us_per_call / tri.us_per_call:.2f}×"
             )
     return "\n".join(lines)
 

@@ -31,38 +31,55 @@ import torch.nn.functional as F
 
 from dflash2.runtime.gdn_state import GDNState
 
+BACKENDS = ("default", "triton", "sdpa", "efficient")  # the names set_attention_backend takes
 _SDPA_BACKENDS = None  # None: PyTorch's choice; else the allowed backends, in set_attention_backend's order
-_TRITON = False  # set_attention_backend("triton"): the decode-attention kernel where it applies
+_TRITON = True  # the decode-attention kernel where it applies ('default' / 'triton'); False: SDPA everywhere
 TRITON_MAX_T = 16  # longer blocks (prefill) keep SDPA: the kernel is built for G·T decode / verify rows
 
 
 def set_attention_backend(name: str | None) -> None:
-    """Which kernel CUDA attention uses: None/'default' (SDPA, PyTorch's choice: cuDNN on Hopper),
-    'efficient' (SDPA's memory-efficient kernel, else math) or 'triton' (the split-K decode kernel,
-    :func:`~dflash2.runtime.kernels.attention.decode_attention`, for blocks of ≤ TRITON_MAX_T tokens
-    whose StepMeta says its mask rule; anything else, prefill included, keeps PyTorch's SDPA).
-    Why: for decode-sized queries (G·T rows) the default cuDNN kernel is latency-bound and returns a
-    layout that costs a copy (docs/BENCHMARKS.md). Graphs keep the kernels chosen when they were captured.
-    The triton kernel runs where the other fused kernels do (``kernels.use_triton``: CUDA tensors, or CPU
-    ones inside ``kernels.on_cpu()`` under Triton's interpreter) and ``kernels.kernels(False)`` turns it off."""
+    """Which kernel attention uses (names: :data:`BACKENDS`).
+
+    * None / 'default' = 'triton' (the runtime's default): the split-K decode kernel,
+      :func:`~dflash2.runtime.kernels.attention.decode_attention`, for blocks of ≤ TRITON_MAX_T tokens whose
+      StepMeta says its mask rule; everything else keeps PyTorch's SDPA (its own choice of kernel): prefill
+      blocks longer than TRITON_MAX_T, sliding windows (no mask rule), dtypes or head dims the kernel does not
+      take, CPU tensors (they reach the kernel only inside ``kernels.on_cpu()`` under Triton's interpreter: tests)
+      and ``kernels.kernels(False)`` (the kernel runs where the other fused kernels do: ``kernels.use_triton``).
+    * 'sdpa': PyTorch's SDPA everywhere, its own choice of kernel (cuDNN on Hopper); the default until the
+      Triton kernel was measured.
+    * 'efficient': SDPA restricted to its memory-efficient kernel, else math, on CUDA tensors.
+
+    Why triton: for decode-sized queries (G·T rows) cuDNN's SDPA kernel is latency-bound and returns a layout
+    that costs a copy; the split-K kernel is several times faster per layer call (docs/BENCHMARKS.md).
+    Graphs keep the kernels chosen when they were captured."""
     from torch.nn.attention import SDPBackend
 
     global _SDPA_BACKENDS, _TRITON
-    choices = {
-        None: None,
-        "default": None,
-        "efficient": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
-        "triton": None,
-    }
-    if name not in choices:
-        raise ValueError(f"attention backend {name!r}: use one of default, efficient, triton")
-    _SDPA_BACKENDS = choices[name]
+    canonical = {None: "triton", "default": "triton", "triton": "triton", "sdpa": "sdpa", "efficient": "efficient"}
+    if name not in canonical:
+        raise ValueError(f"attention backend {name!r} not known; use one of {', '.join(BACKENDS)}")
+    name = canonical[name]
+    _SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH] if name == "efficient" else None
     _TRITON = name == "triton"
 
 
 def attention_backend() -> str:
-    """The name set_attention_backend last chose."""
-    return "triton" if _TRITON else "default" if _SDPA_BACKENDS is None else "efficient"
+    """The backend set_attention_backend last chose, by its own name: 'triton' (also for None / 'default'),
+    'sdpa' or 'efficient'; ``set_attention_backend(attention_backend())`` restores it."""
+    return "triton" if _TRITON else "sdpa" if _SDPA_BACKENDS is None else "efficient"
+
+
+def attention_in_use(device: torch.device | str) -> str:
+    """What decode blocks (≤ TRITON_MAX_T tokens, a mask rule) on ``device`` run now, fallbacks applied:
+    'triton', 'efficient' (CUDA only) or 'sdpa' (PyTorch's choice). Prefill and sliding windows are always
+    SDPA. For records of what a measurement ran (eval.speedup), e.g. 'sdpa' inside ``kernels(False)``."""
+    from dflash2.runtime.kernels import use_triton
+
+    probe = torch.empty(0, device=device)
+    if _TRITON and use_triton(probe):
+        return "triton"
+    return "efficient" if _SDPA_BACKENDS is not None and probe.is_cuda else "sdpa"
 
 
 @dataclass

@@ -11,7 +11,8 @@ These kernels fold each such group into one launch:
   and the K/V cache write of one attention layer;
 * :func:`~dflash2.runtime.kernels.act.silu_mul`: the SwiGLU activation;
 * :func:`~dflash2.runtime.kernels.attention.decode_attention`: split-K decode attention over
-  the static KV cache (``set_attention_backend("triton")``; its twin is a naive fp32 softmax).
+  the static KV cache (the default attention on CUDA, ``set_attention_backend`` in cache.py; its twin
+  is a naive fp32 softmax).
 
 The Gated DeltaNet ops live in a folder each (docs/ARCHITECTURE.md §5.5): ``reference.py``
 (the plain-PyTorch twin, also ``GDNState``'s ``mode="reference"``), ``kernel.py`` (the
