@@ -1,14 +1,16 @@
 """Smoke test of the GDN verify + rollback benchmark (dflash2/runtime/bench_gdn.py) on CPU.
 
 The numbers mean nothing here (interpreted kernels, tiny shapes); what is checked: the
-script runs end to end for ReplaySSM, native and reference at two batch sizes, the
-speculative-state bytes it measures from the logs match the shape formula, and that
-formula gives the issue's memory target at the Qwen3.5-9B shape (≥ 20× less than native).
+script runs end to end for ReplaySSM (deferred commit), ReplaySSM with the eager fold, native
+and reference at two batch sizes, the speculative-state bytes it measures from the logs match
+the shape formula, that formula gives the issue's memory target at the Qwen3.5-9B shape (≥ 20×
+less than native), and the sweep's kernel options reach their kernels in every mode.
 """
 
 import pytest
+import torch
 
-from dflash2.runtime.bench_gdn import GDNShape, main, spec_bytes
+from dflash2.runtime.bench_gdn import GDNShape, main, measure, spec_bytes
 from dflash2.runtime.kernels.triton_util import interpreting
 
 
@@ -46,3 +48,15 @@ def test_speculative_state_at_the_9b_shape():
     # the deferred commit's own memory: counts of 32·128/16 programs per layer, one layer's k / g stash
     assert replay - spec_bytes(shape, 16, "replay") == 24 * 256 * 4 + 16 * (16 * 128 + 32) * 4
     assert native == 24 * (16 * 32 * 128 * 128 * 4 + 16 * 8192 * 2)  # 16 fp32 states + x per layer
+
+
+@pytest.mark.skipif(not interpreting(), reason="CPU tensors need TRITON_INTERPRET=1")
+def test_every_kernel_option_of_the_sweep_reaches_its_kernel():
+    """The sweep's options (the recurrence tile and warps, the prep's warps) run in every Triton mode:
+    each kernel takes the ones it has (the commit kernel has no prep_warps)."""
+    options = dict(block_v=2, num_warps=2, prep_warps=2)
+    for mode in ("replay", "replay_eager", "native"):
+        row = measure(
+            GDNShape.tiny(), 1, 2, mode, dtype=torch.float32, device="cpu", iters=1, warmup=0, kernel_options=options
+        )
+        assert row.total_us > 0 and row.kernel_options == options, mode

@@ -194,6 +194,10 @@ class GDNState:
             pend.zero_()
         self._deferred = None
 
+    def _commit_options(self) -> dict:
+        """The kernel options the commit kernel takes (block_t and prep_warps only tune the verify)."""
+        return {k: v for k, v in self.kernel_options.items() if k in ("block_v", "num_warps")}
+
     def _defers(self, T: int) -> bool:
         """Whether commits of T-token verifies are deferred (and those verifies fold a pending commit)."""
         return self.mode == "replay" and self.defer and T in self._static
@@ -215,7 +219,7 @@ class GDNState:
             return
         from dflash2.runtime.kernels.gdn_replay import gdn_replay_triton
 
-        opts = {k: v for k, v in self.kernel_options.items() if k in ("block_v", "num_warps")}
+        opts = self._commit_options()
         for T in sorted(lengths):
             pend = self._pend[T]
             n = pend[:, :, 0].contiguous()  # (L_g, N): the counts are equal across a row's programs
@@ -312,7 +316,7 @@ class GDNState:
         else:
             from dflash2.runtime.kernels.gdn_replay import gdn_replay_triton
 
-            opts = {k: v for k, v in self.kernel_options.items() if k != "block_t"}
+            opts = self._commit_options()
             for slot, log in enumerate(self.logs):
                 gdn_replay_triton(self.conv[slot], self.rec[slot], log, n, **opts)
         self.logs = [None] * len(self.logs)
