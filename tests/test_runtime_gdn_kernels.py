@@ -161,7 +161,7 @@ def _after(steps: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("T", [4, 9])
+@pytest.mark.parametrize("T", [3, 9, 16])
 def test_exact_fold_equals_single_token_decoding(device, T):
     """ReplaySSM and native commits == decoding row r's n[r] tokens one at a time, for a ragged n with
     the pitfalls in it: n = 0 (row untouched), n = 1 (no draft accepted: the corrected token alone,

@@ -11,6 +11,8 @@ import torch
 
 from dflash2.runtime.kernels.gdn_log import GDNLog, PendingFold, default_block_v, new_log, recur_programs
 
+PREP_TOKENS = 16  # the prep kernel's tokens per chunk (see gdn_verify_triton)
+
 
 def gdn_verify_triton(
     x: torch.Tensor,
@@ -105,9 +107,16 @@ def gdn_verify_triton(
     # the other mode's output is never touched: any tensor will do
     u, states = (log.states, log.states) if native else (log.u, log.u)
     bk = triton.next_power_of_2(dk)
-    bt = block_t or min(triton.next_power_of_2(T), 16)
-    if fold is not None:  # only the first chunk may read the old window and x (kernel.py): BT ≥ K-1
-        bt = max(bt, triton.next_power_of_2(K - 1))
+    # One compiled variant for every verify (see _no_fold): the q / k L2 norm and the recurrence's dot
+    # products are cross-thread sums whose order follows the layout the compiler picks, and that
+    # layout depends on the tile shape and on the code around it. On the H200 a (1, d) tile (single-
+    # token decode) and a (16, d) tile (a block) rounded the norm differently, and so did the kernels
+    # with and without the fold's extra loads. Same chunk shape, same code: every token is normalised
+    # and folded bit for bit as decoding does it (the exact fold); the masked rows move no bytes.
+    # Only the first chunk may read the old window and x (kernel.py): BT ≥ K-1.
+    bt = max(block_t or PREP_TOKENS, triton.next_power_of_2(K - 1))
+    if fold is None:
+        fold = _no_fold(N, recur_programs(H, dv, bv), prep[1], prep[3])
     launch_verify(
         x,
         conv_state,
@@ -122,7 +131,7 @@ def gdn_verify_triton(
         u,
         states,
         log.x,
-        None if fold is None else (fold.n, fold.k, fold.g),
+        (fold.n, fold.k, fold.g),
         num_k_heads=num_k_heads,
         native=native,
         store_x=out is not None,
@@ -135,3 +144,19 @@ def gdn_verify_triton(
         prep_warps=prep_warps or 4,
     )
     return o, log
+
+
+_NO_PENDING: dict[tuple, torch.Tensor] = {}
+
+
+def _no_fold(N: int, programs: int, k: torch.Tensor, g: torch.Tensor) -> PendingFold:
+    """A fold of nothing, so that verifies without a pending commit run the fold's compiled variant too.
+
+    Counts (N, programs) int32 zeros, kept per (device, shape) so that CUDA graphs capture a fixed
+    address; no kernel writes a zero count (a program stores 0 only after folding n > 0). k / g stand
+    in for the stash: with n = 0 every stash load and store is masked off, and they are large enough
+    for the loads the recurrence kernel issues before it reads n (kernel.py)."""
+    key = (k.device, N, programs)
+    if key not in _NO_PENDING:
+        _NO_PENDING[key] = torch.zeros(N, programs, dtype=torch.int32, device=k.device)
+    return PendingFold(_NO_PENDING[key], k, g)

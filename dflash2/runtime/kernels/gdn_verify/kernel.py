@@ -343,12 +343,13 @@ def launch_verify(
     """gdn_prep_kernel on grid (N, 2·Hk + H), then gdn_recur_kernel on grid (d_v / BV, N·H). Tensors as in
     the kernels (conv_weight as (C, K)); prep = (q, k, v, g, β) fp32 buffers of the prep kernel's
     output shapes; x_log the log's x (read by the fold, written when store_x); fold = (pend, stash_k,
-    stash_g) or None; the unused output of the other mode / of no fold may be any tensor (never touched)."""
+    stash_g), zero counts when nothing is pending; the unused output of the other mode may be any
+    tensor (never touched)."""
     N, T, _ = x.shape
     H, DK, DV = rec_state.shape[1:]
     KW = conv_weight.shape[1]
     q, k, v, g, beta = prep
-    pend, stash_k, stash_g = fold if fold is not None else (g, g, g)
+    pend, stash_k, stash_g = fold
     gdn_prep_kernel[(N, 2 * num_k_heads + H)](
         x,
         conv_state,
@@ -387,7 +388,7 @@ def launch_verify(
         BT=block_t,
         BW=triton.next_power_of_2(max(KW - 1, 1)),
         SQRT_DK=float(DK) ** 0.5,
-        FOLD=fold is not None,
+        FOLD=True,  # always: see gdn_verify_triton (one compiled variant)
         STORE_X=store_x,
         num_warps=prep_warps,
         enable_fp_fusion=False,  # round as the reference does (no fused multiply-adds)
@@ -415,7 +416,7 @@ def launch_verify(
         BK=triton.next_power_of_2(DK),
         BV=block_v,
         NATIVE=native,
-        FOLD=fold is not None,
+        FOLD=True,  # always: see gdn_verify_triton (one compiled variant)
         num_warps=num_warps,
         enable_fp_fusion=False,  # the fold must round as verify does: see gdn_replay/kernel.py
     )
