@@ -1,14 +1,16 @@
 """Smoke test of the GDN verify + rollback benchmark (dflash2/runtime/bench_gdn.py) on CPU.
 
 The numbers mean nothing here (interpreted kernels, tiny shapes); what is checked: the
-script runs end to end for ReplaySSM, native and reference at two batch sizes, the
-speculative-state bytes it measures from the logs match the shape formula, and that
-formula gives the issue's memory target at the Qwen3.5-9B shape (≥ 20× less than native).
+script runs end to end for ReplaySSM (deferred commit), ReplaySSM with the eager fold, native
+and reference at two batch sizes, the speculative-state bytes it measures from the logs match
+the shape formula, that formula gives the issue's memory target at the Qwen3.5-9B shape (≥ 20×
+less than native), and the sweep's kernel options reach their kernels in every mode.
 """
 
 import pytest
+import torch
 
-from dflash2.runtime.bench_gdn import GDNShape, main, spec_bytes
+from dflash2.runtime.bench_gdn import GDNShape, main, measure, spec_bytes
 from dflash2.runtime.kernels.triton_util import interpreting
 
 
@@ -16,15 +18,18 @@ from dflash2.runtime.kernels.triton_util import interpreting
 def test_bench_runs_on_cpu(tmp_path, capsys):
     out = tmp_path / "gdn.json"
     args = ["--device", "cpu", "--tiny", "--batch", "1", "2", "--block", "3", "--iters", "1", "--warmup", "0"]
-    rows = main([*args, "--dtype", "float32", "--modes", "replay", "native", "reference", "--out", str(out)])
-    assert [(r.batch, r.mode) for r in rows] == [(b, m) for b in (1, 2) for m in ("replay", "native", "reference")]
+    modes = ("replay", "replay_eager", "native", "reference")
+    rows = main([*args, "--dtype", "float32", "--modes", *modes, "--out", str(out)])
+    assert [(r.batch, r.mode) for r in rows] == [(b, m) for b in (1, 2) for m in modes]
     tiny = GDNShape.tiny()
     for r in rows:
         assert r.total_us > 0 and r.total_us == pytest.approx(r.verify_us + r.commit_us)
-        mode = "native" if r.mode == "native" else "replay"  # the reference logs what ReplaySSM logs
-        assert r.spec_bytes_per_request == spec_bytes(tiny, 3, mode, x_itemsize=4)
+        # the reference and the eager ReplaySSM log what ReplaySSM logs; the deferred commit adds its
+        # pending counts and stash
+        layout = "native" if r.mode == "native" else "replay"
+        assert r.spec_bytes_per_request == spec_bytes(tiny, 3, layout, x_itemsize=4, deferred=r.mode == "replay")
     printed = capsys.readouterr().out
-    assert "native ÷ replay" in printed and "| 2 | native |" in printed
+    assert "native ÷ replay" in printed and "| 2 | native |" in printed and "replay_eager ÷ replay" in printed
     assert out.exists()
 
 
@@ -38,6 +43,20 @@ def test_speculative_state_at_the_9b_shape():
         128,
         128,
     )
-    replay, native = spec_bytes(shape, 16, "replay"), spec_bytes(shape, 16, "native")
+    replay, native = spec_bytes(shape, 16, "replay", deferred=True), spec_bytes(shape, 16, "native")
     assert native / replay >= 20
+    # the deferred commit's own memory: counts of 32·128/16 programs per layer, one layer's k / g stash
+    assert replay - spec_bytes(shape, 16, "replay") == 24 * 256 * 4 + 16 * (16 * 128 + 32) * 4
     assert native == 24 * (16 * 32 * 128 * 128 * 4 + 16 * 8192 * 2)  # 16 fp32 states + x per layer
+
+
+@pytest.mark.skipif(not interpreting(), reason="CPU tensors need TRITON_INTERPRET=1")
+def test_every_kernel_option_of_the_sweep_reaches_its_kernel():
+    """The sweep's options (the recurrence tile and warps, the prep's warps) run in every Triton mode:
+    each kernel takes the ones it has (the commit kernel has no prep_warps)."""
+    options = dict(block_v=2, num_warps=2, prep_warps=2)
+    for mode in ("replay", "replay_eager", "native"):
+        row = measure(
+            GDNShape.tiny(), 1, 2, mode, dtype=torch.float32, device="cpu", iters=1, warmup=0, kernel_options=options
+        )
+        assert row.total_us > 0 and row.kernel_options == options, mode

@@ -109,11 +109,12 @@ def test_replay_kernel_matches_reference(device, native, T, tiles):
     assert torch.equal(rec[0], case["rec_state"][0]) and torch.equal(conv[0], case["conv_state"][0])
 
 
-def _gdn_state(case, mode) -> GDNState:
+def _gdn_state(case, mode, layers=1, **kw) -> GDNState:
+    """A state of ``layers`` GDN layers, each starting from the case's conv / recurrent state."""
     N, hk = case["x"].shape[0], case["num_k_heads"]
     h, dk, dv = case["rec_state"].shape[1:]
     s = GDNState(
-        1,
+        layers,
         N,
         conv_dim=case["x"].shape[-1],
         conv_kernel=K,
@@ -124,9 +125,10 @@ def _gdn_state(case, mode) -> GDNState:
         dtype=case["x"].dtype,
         device=case["x"].device,
         mode=mode,
+        **kw,
     )
-    s.conv[0].copy_(case["conv_state"])
-    s.rec[0].copy_(case["rec_state"])
+    s.conv.copy_(case["conv_state"].expand_as(s.conv))
+    s.rec.copy_(case["rec_state"].expand_as(s.rec))
     return s
 
 
@@ -159,7 +161,7 @@ def _after(steps: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("T", [4, 9])
+@pytest.mark.parametrize("T", [3, 9, 16])
 def test_exact_fold_equals_single_token_decoding(device, T):
     """ReplaySSM and native commits == decoding row r's n[r] tokens one at a time, for a ragged n with
     the pitfalls in it: n = 0 (row untouched), n = 1 (no draft accepted: the corrected token alone,
@@ -205,8 +207,91 @@ def test_reserved_logs_keep_their_addresses(device):
         fixed.use_static(T)
         plain.commit(n)
         fixed.commit(n)
+        # replay mode defers the commit of reserved logs into the next verify: the states are read
+        # here, right after the commit, so they are materialised first (a no-op in the other modes)
+        fixed.flush()
         assert torch.equal(o_plain, o_fixed) and torch.equal(plain.rec, fixed.rec), mode
         assert torch.equal(plain.conv, fixed.conv), mode
+
+
+def _steps(N, T, heads, layers, steps, device, seed):
+    """Per step, per layer: GDNState.verify's arguments after the slot. x, a, b are new every step;
+    each layer's conv weight, A_log and dt_bias stay (a model's weights)."""
+    weights = [make_case(1, 1, heads, device=device, seed=seed + i) for i in range(layers)]
+    out = []
+    for step in range(steps):
+        c = make_case(N, T, heads, device=device, seed=seed + 100 + step)
+        out.append([(c["x"], w["conv_weight"], c["a"], c["b"], w["A_log"], w["dt_bias"]) for w in weights])
+    return out
+
+
+def _same_states(a: GDNState, b: GDNState) -> bool:
+    return torch.equal(a.rec, b.rec) and torch.equal(a.conv, b.conv)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "T, heads, tiles",
+    [
+        (1, GQA, {}),  # AR decode: n is 0 or 1
+        (5, GQA, dict(block_v=4, block_t=2)),  # 2 value slices per head; chunks of 2 (raised to K-1 by the fold)
+        (9, (3, 3, 9, 5), {}),  # one key head per value head
+    ],
+)
+def test_deferred_commit_equals_eager_fold(device, T, heads, tiles):
+    """ReplaySSM with reserved logs defers each commit into the next verify, which folds the pending n
+    into the state tile in its registers and rolls the conv window in its prep kernel. Against the
+    eager path (no reserved logs: the commit kernel folds at once), over verify / commit steps of two
+    layers with ragged n, every row committing 0 once and T once: every verify's outputs and logs bit
+    for bit; the states bit for bit once a verify has folded, and untouched by the deferred commit
+    itself (the fold really moved); after the last commit, flush() gives bit for bit the eager states."""
+    N, L = 4, 2
+    start = make_case(N, T, heads, device=device, seed=60 + T)
+    eager = _gdn_state(start, "replay", L, kernel_options=tiles)
+    lazy = _gdn_state(start, "replay", L, kernel_options=tiles)
+    lazy.reserve(T)
+    schedule = [[0, 1, T, T // 2], [T, 0, 1, T], [T // 2, T, 0, 0]]
+    for args, n in zip(_steps(N, T, heads, L, len(schedule), device, seed=T), schedule):
+        for layer in range(L):
+            assert torch.equal(eager.verify(layer, *args[layer]), lazy.verify(layer, *args[layer]))
+            for name in ("x", "k", "u", "g"):
+                assert torch.equal(getattr(eager.logs[layer], name), getattr(lazy.logs[layer], name)), name
+        assert _same_states(eager, lazy)  # each layer's verify materialised the previous commit
+        n = torch.tensor(n, device=device)
+        rec, conv = lazy.rec.clone(), lazy.conv.clone()
+        eager.commit(n)
+        lazy.commit(n)
+        assert torch.equal(lazy.rec, rec) and torch.equal(lazy.conv, conv)  # deferred: nothing written yet
+        assert not _same_states(eager, lazy)
+    lazy.flush()
+    assert _same_states(eager, lazy)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deferred_commit_across_block_lengths(device):
+    """The engine reserves T = 1 (AR) and T = B (blocks); a prefill has its own length. A fold pending in
+    the logs of one length is flushed by a verify of another (which can only fold its own log), an
+    unreserved verify flushes too, and a verify repeated without a commit folds nothing the second time
+    (each program zeroes its count): all bit for bit the eager path's outputs and states."""
+    N, B = 3, 4
+    start = make_case(N, B, device=device, seed=80)
+    eager, lazy = _gdn_state(start, "replay"), _gdn_state(start, "replay")
+    lazy.reserve(1)
+    lazy.reserve(B)
+    # (T, n per row, verifies before the commit)
+    plan = [(B, [0, 2, B], 1), (1, [1, 0, 1], 1), (B, [B, 1, 3], 2), (3, [2, 3, 0], 1), (B, [1, B, 0], 1)]
+    for i, (T, n, repeat) in enumerate(plan):
+        args = _steps(N, T, GQA, 1, 1, device, seed=90 + i)[0][0]
+        o_eager = eager.verify(0, *args)
+        for _ in range(repeat):
+            assert torch.equal(lazy.verify(0, *args), o_eager), (i, T)
+            assert _same_states(eager, lazy), (i, T)
+        n = torch.tensor(n, device=device)
+        eager.commit(n)
+        lazy.commit(n)
+        assert lazy._deferred == (T if T in (1, B) else None), i  # reserved lengths defer, the prefill does not
+    lazy.flush()
+    assert _same_states(eager, lazy)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -19,7 +19,7 @@ from test_runtime_engine import PROMPTS, ScriptedProposer
 from dflash2.decoding import greedy_generate
 from dflash2.runtime import load_model
 from dflash2.runtime.drafter import RuntimeDrafter
-from dflash2.runtime.engine import generate_ar, generate_spec
+from dflash2.runtime.engine import Decoder, generate_ar, generate_spec
 from dflash2.runtime.gdn_state import GDNState, resolve_gdn_mode
 from dflash2.runtime.kernels.triton_util import interpreting
 from dflash2.runtime.models import from_hf_model
@@ -94,6 +94,33 @@ def test_scripted_acceptance_equals_greedy(hybrid, mode):
 
 
 @pytest.mark.slow
+def test_deferred_commit_in_the_engine_equals_greedy_and_the_eager_fold(hybrid):
+    """ReplaySSM in the engine: the slot's reserved logs make every decode commit deferred into the next
+    verify. An oracle row (B tokens per step) beside a ragged one (0..B-1 drafts accepted), the oracle
+    finishing first (its later commits are 0): the tokens are HF's greedy tokens, the commits were
+    deferred (seen after every step), nothing is pending once generate_spec returns, and the final GDN
+    states equal bit for bit those of the same run with deferral off (the commit kernel folding at once)."""
+    _, folder, prompts, full = hybrid
+    model = load_model(folder, target_layer_ids=TAPS, gdn_mode="replay")
+    states, pending = {}, {}
+    for defer in (True, False):
+        proposer = ScriptedProposer(full[:2], ["oracle", "partial"], B, model.vocab_size)  # same draws each run
+        dec = Decoder(model, proposer, max_len=64, graphs=False)
+        gdn = dec.slot(2).state.gdn
+        gdn.defer = defer
+        seen = pending[defer] = []
+        dec.on_step = lambda s, seen=seen: seen.append(s.state.gdn._deferred)
+        res = dec.generate_spec(prompts[:2], N_NEW)
+        assert res.sequences == _greedy(full[:2], prompts[:2]), defer
+        oracle, partial = res.accepted_drafts
+        assert len(oracle) < len(partial) and {0, B - 1} <= set(partial)  # commits of 0, 1 and B tokens
+        assert gdn._deferred is None  # flushed at the end of the generation
+        states[defer] = (gdn.conv.clone(), gdn.rec.clone())
+    assert set(pending[True]) == {B} and set(pending[False]) == {None}
+    assert all(torch.equal(a, b) for a, b in zip(states[True], states[False]))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_random_drafter_and_ar_equal_greedy(hybrid, device):
     """A DFlash2 drafter off its init, ReplaySSM, ragged batch; AR decode (T = 1 verify) too."""
@@ -121,3 +148,28 @@ def test_long_generation_on_the_gpu_equals_reference_mode(hf_targets, mode, monk
     assert out[mode] == out["reference"]
     model = load_model(folder, target_layer_ids=TAPS, gdn_mode=mode, device="cuda")
     assert generate_spec(model, RuntimeDrafter(drafter, model), PROMPTS, 300, graphs=True).sequences == out[mode]
+
+
+@pytest.mark.cuda
+def test_graphed_generations_leave_materialised_states(hf_targets, monkeypatch):
+    """CUDA graphs replay ReplaySSM's deferred commits without running any Python, so the flush at the
+    end of a generation must find them on its own: after each generation of a graphed Decoder (two
+    speculative ones, the second replaying everything, and an AR one in the same slot) the GDN states
+    are those an eager Decoder leaves, and nothing is left pending."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    hf, folder = hf_targets["qwen3_5"]
+    drafter = nontrivial_dflash2(spec_drafter(TargetModel(hf, target_layer_ids=TAPS), B, v2=True, seed=5)).cuda()
+    model = load_model(folder, target_layer_ids=TAPS, gdn_mode="replay", device="cuda")
+    decoders = [Decoder(model, RuntimeDrafter(drafter, model), max_len=128, graphs=g, pad=True) for g in (False, True)]
+    for run in ("spec", "spec", "ar"):
+        states = []
+        for dec in decoders:
+            out = dec.generate_spec(PROMPTS[:3], 40).sequences if run == "spec" else dec.generate_ar(PROMPTS[:3], 20)
+            gdn = dec.slot(3).state.gdn
+            states.append((out, gdn.conv.clone(), gdn.rec.clone()))
+            assert gdn._deferred is None and all(int(p.abs().sum()) == 0 for p in gdn._pend.values()), run
+        (out_e, conv_e, rec_e), (out_g, conv_g, rec_g) = states
+        assert out_e == out_g, run
+        torch.testing.assert_close(conv_g, conv_e, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(rec_g, rec_e, rtol=1e-5, atol=1e-5)
+    assert decoders[1].captures > 0

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dflash2.runtime.gdn_state import GDNState, gdn_gates, gdn_verify
+from dflash2.runtime.kernels.triton_util import interpreting
 
 N, T, K = 3, 6, 4
 HK, H, DK, DV = 2, 4, 8, 8  # 2 key heads serve 4 value heads, as in the GQA-style GDN configs
@@ -33,7 +34,7 @@ def _at(gates, t):
     return a[:, t : t + 1], b[:, t : t + 1], A_log, dt_bias
 
 
-def _state(seed: int) -> GDNState:
+def _state(seed: int, mode: str = "reference") -> GDNState:
     """A state that already holds some history (non-zero conv window and recurrent state)."""
     s = GDNState(
         1,
@@ -46,6 +47,7 @@ def _state(seed: int) -> GDNState:
         head_v_dim=DV,
         dtype=torch.float32,
         device="cpu",
+        mode=mode,
     )
     g = torch.Generator().manual_seed(seed)
     s.conv.copy_(torch.randn(s.conv.shape, generator=g))
@@ -148,3 +150,56 @@ def test_verify_keeps_bf16_inputs_and_fp32_state():
     o, log = gdn_verify(x.bfloat16(), s.conv[0].bfloat16(), w.bfloat16(), s.rec[0], decay, beta.bfloat16(), HK, DK)
     assert o.dtype == torch.bfloat16 and log.u.dtype == log.k.dtype == log.g.dtype == torch.float32
     assert log.x.dtype == torch.bfloat16
+
+
+def _same(a: GDNState, b: GDNState) -> bool:
+    return torch.equal(a.conv, b.conv) and torch.equal(a.rec, b.rec)
+
+
+@pytest.mark.skipif(not interpreting(), reason="the Triton modes on CPU tensors need TRITON_INTERPRET=1")
+def test_flush_is_idempotent_and_a_no_op_without_a_pending_fold(monkeypatch):
+    """GDNState.flush(): without a pending (deferred) commit it changes nothing and launches nothing — a
+    fresh state, after a verify alone, after a flush; with one it folds exactly what the eager commit
+    folds (one commit-kernel launch per layer), and a second flush or the next verify adds nothing.
+    Modes that never defer (reference, native, replay without reserved logs) commit at once."""
+    from dflash2.runtime.kernels import gdn_replay
+
+    launches = []
+    kernel = gdn_replay.gdn_replay_triton
+    monkeypatch.setattr(gdn_replay, "gdn_replay_triton", lambda *a, **kw: launches.append(1) or kernel(*a, **kw))
+    x, w, gates = _inputs(seed=11)
+    x2, _, gates2 = _inputs(seed=12)
+    lazy, eager = _state(13, "replay"), _state(13, "replay")  # eager: no reserved logs, the commit folds at once
+    lazy.reserve(T)
+    start = _clone(lazy)
+    lazy.flush()
+    assert _same(lazy, start) and not launches  # fresh: nothing pending
+    o = lazy.verify(0, x, w, *gates)
+    assert torch.equal(o, eager.verify(0, x, w, *gates))
+    lazy.flush()
+    assert _same(lazy, start) and not launches  # a verify alone leaves nothing to fold
+    n = torch.tensor([0, 4, T])
+    lazy.commit(n)
+    eager.commit(n)
+    assert len(launches) == 1 and _same(lazy, start)  # only the eager state folded; the lazy one waits
+    lazy.flush()
+    assert len(launches) == 2 and _same(lazy, eager)
+    lazy.flush()
+    assert len(launches) == 2 and _same(lazy, eager)  # idempotent
+    assert torch.equal(lazy.verify(0, x2, w, *gates2), eager.verify(0, x2, w, *gates2))
+    assert _same(lazy, eager)  # the verify after a flush folds nothing more
+    lazy.commit(n, defer=False)  # a prefill's commit: folded at once even into reserved logs
+    eager.commit(n)
+    assert len(launches) == 4 and _same(lazy, eager) and lazy._deferred is None
+    lazy.flush()
+    assert len(launches) == 4
+    for mode in ("reference", "native"):
+        s, ref = _state(13, mode), _state(13, mode)
+        s.reserve(T)
+        s.verify(0, x, w, *gates)
+        ref.verify(0, x, w, *gates)
+        s.commit(n)
+        ref.commit(n)
+        assert not _same(s, start) and _same(s, ref), mode  # committed at once
+        s.flush()
+        assert _same(s, ref), mode

@@ -8,7 +8,8 @@ adds to what ``speedup.run_speedup`` measures end to end:
 
 * the per-GDN-layer cost of one speculative step at the target's *own* GDN shape and the drafter's
   block size, from ``dflash2.runtime.bench_gdn.measure`` (verify of every GDN layer + commit of the
-  whole block, random inputs, CUDA graphs; timed on CUDA, and on the CPU only under Triton's
+  whole block — ReplaySSM's deferred: the fold runs in the next verify —, random inputs, CUDA
+  graphs; timed on CUDA, and on the CPU only under Triton's
   interpreter, where the numbers mean nothing but the path runs);
 * the speculative-state bytes per request (from the shapes, so always; checked against the bytes the
   bench's logs really held whenever it runs) and the committed state per request for scale.
@@ -115,10 +116,12 @@ def committed_bytes(shape: GDNShape, itemsize: int) -> int:
 
 def layer_cost(target, mode: str, N: int, T: int, *, iters: int = 50) -> dict:
     """One speculative step's GDN cost at the target's shape, per GDN layer: verify of T tokens in every
-    GDN layer + commit of all T (the most a fold does), N rows, the target's dtype and device.
+    GDN layer + commit of all T (the most a fold does), N rows, the target's dtype and device. ReplaySSM
+    commits as the engine's slots do, deferred: its verify µs include the fold of the previous commit.
 
     Returns verify_us / commit_us / total_us (None when not timed), spec_bytes_per_request (all GDN
-    layers: ReplaySSM's k/u/g logs or native's T states, plus the T pre-conv inputs),
+    layers: ReplaySSM's k/u/g logs (and the deferred commit's counts and stash) or native's T states,
+    plus the T pre-conv inputs),
     state_bytes_per_request (committed), spec_layout ('replay' | 'native': native stores states only
     for blocks of ≤ NATIVE_MAX_TOKENS tokens) and timed.
     """
@@ -130,7 +133,7 @@ def layer_cost(target, mode: str, N: int, T: int, *, iters: int = 50) -> dict:
         "verify_us": None,
         "commit_us": None,
         "total_us": None,
-        "spec_bytes_per_request": spec_bytes(shape, T, layout, x_itemsize=itemsize),
+        "spec_bytes_per_request": spec_bytes(shape, T, layout, x_itemsize=itemsize, deferred=mode == "replay"),
         "state_bytes_per_request": committed_bytes(shape, itemsize),
         "spec_layout": layout,
         "timed": False,
@@ -178,8 +181,9 @@ def markdown_lines(results: dict) -> list[str]:
         f"GDN modes (headline: {info['headline']}). Per GDN layer, at this target's GDN shape ({s['num_layers']} "
         f"layers, {s['num_k_heads']} key / {s['num_v_heads']} value heads, d_k {s['head_k_dim']}, "
         f"d_v {s['head_v_dim']}, conv {s['conv_kernel']}) and block {info['block_size']}: verify of the block + "
-        "commit of all of it (bench_gdn, random inputs); spec state = what a step keeps between verify and "
-        "commit, per request, all GDN layers. Tokens/s: the end-to-end runs above.",
+        "commit of all of it (bench_gdn, random inputs; ReplaySSM's commit is deferred: its verify folds the "
+        "previous commit); spec state = what a step keeps between verify and commit, per request, all GDN "
+        "layers. Tokens/s: the end-to-end runs above.",
         "",
         "| batch | mode | verify µs | commit µs | total µs | spec state / request | committed / request "
         "| AR tokens/s | spec tokens/s | lossless | AR, spec == first mode's AR |",

@@ -1,6 +1,7 @@
 """Per-GDN-layer cost of verify + rollback: ReplaySSM vs native rollback (docs/ARCHITECTURE.md §5.5).
 
     python -m dflash2.runtime.bench_gdn --device cuda              # Qwen3.5-9B GDN shape, batch 1 and 64, T=16
+    python -m dflash2.runtime.bench_gdn --device cuda --modes replay replay_eager native --profile
     python -m dflash2.runtime.bench_gdn --device cuda --sweep      # also search the kernels' tile / warp options
     python -m dflash2.runtime.bench_gdn --device cuda --out g.json # results as JSON too
 
@@ -9,18 +10,25 @@ with every GDN layer of the shape (24 layers of ``Qwen3_5TextConfig()`` defaults
 32 value heads, d_k = d_v = 128, conv kernel 4, bf16 projections, fp32 state): verify a block
 of T tokens in every layer (conv + SiLU, L2 norms, gates, recurrence, outputs, logs), then
 commit n tokens per row. All layers have their own state and inputs, so a batch-1 step does
-not run from L2 the way one layer repeated would. On CUDA each phase is captured as a CUDA
-graph (kernel time without Python launch overhead; ``--eager`` times plain calls), timed with
-events over ``--iters`` replays, and divided by the layer count. n = T (every draft accepted)
-unless ``--accepted`` says otherwise: the most a fold does; native's copy costs the same for any n.
+not run from L2 the way one layer repeated would. The state reserves its T-token logs, as the
+engine's does, so ReplaySSM's commit is the deferred one: it records n, and the fold of those n
+tokens runs inside the *next* verify of each layer. The phases alternate (verify, commit, verify,
+...), so every timed verify folds the previous commit's n: ReplaySSM's verify µs carry the fold
+and its commit µs are one small copy; their sum is one step, comparable with native's (whose
+commit is the copy of the kept state, as before). Mode ``replay_eager`` is ReplaySSM with the
+deferral off (the commit kernel folds at once: the layout before it), for the ablation. On CUDA
+each phase is captured as a CUDA graph (kernel time without Python launch overhead; ``--eager``
+times plain calls), timed with events over ``--iters`` replays, and divided by the layer count.
+n = T (every draft accepted) unless ``--accepted`` says otherwise: the most a fold does; native's
+copy costs the same for any n.
 
 Reported per (batch, mode): µs per GDN layer for verify, commit and both; speculative-state
-bytes per request (what the step keeps between verify and commit: ReplaySSM's k/u/g logs,
-native's T full states, and both modes' T pre-conv inputs for the conv window), and the
-committed state per request for scale. The issue's targets (24 µs per layer at batch 1, native
-÷ replay ≥ 1.5× at batch 1 and ≥ 2× at batch 64, ≥ 20× less speculative state) are printed with
-the numbers. ``device=cpu`` runs the same code through Triton's interpreter (a smoke test with
-tiny shapes, ``--tiny``; its times mean nothing).
+bytes per request (what the step keeps between verify and commit: ReplaySSM's k/u/g logs plus,
+deferred, the pending counts and the (k, g) stash of one layer; native's T full states; and all
+modes' T pre-conv inputs for the conv window), and the committed state per request for scale.
+The issue's targets (24 µs per layer at batch 1, native ÷ replay ≥ 1.5× at batch 1 and ≥ 2× at
+batch 64, ≥ 20× less speculative state) are printed with the numbers. ``device=cpu`` runs the same
+code through Triton's interpreter (a smoke test with tiny shapes, ``--tiny``; its times mean nothing).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from dflash2.runtime.gdn_state import GDNState
+from dflash2.runtime.kernels.gdn_log import recur_programs
 from dflash2.runtime.models.base import GDN
 
 MiB = 2**20
@@ -96,13 +105,21 @@ class GDNShape:
         return cls(num_layers=2, num_k_heads=1, num_v_heads=2, head_k_dim=5, head_v_dim=3, conv_kernel=4)
 
 
-def spec_bytes(shape: GDNShape, T: int, mode: str, x_itemsize: int = 2) -> int:
+def spec_bytes(
+    shape: GDNShape, T: int, mode: str, x_itemsize: int = 2, *, deferred: bool = False, block_v: int | None = None
+) -> int:
     """Speculative-state bytes per request over all GDN layers, from the shapes (what GDNLog holds):
     ReplaySSM k (T, Hk, d_k) + u (T, H, d_v) + g (T, H) fp32, native T states (H, d_k, d_v) fp32;
-    both keep x (T, C) in the model dtype for the conv window."""
+    both keep x (T, C) in the model dtype for the conv window. mode: the log's layout, 'native' or
+    anything else (ReplaySSM's). deferred (ReplaySSM's deferred commit, GDNState in replay mode with
+    reserved logs): plus its pending counts, int32 per recurrence program (H · d_v / block_v per layer),
+    and the stash of one layer's pending k (T, Hk, d_k) and g (T, H) fp32, shared by the layers."""
     hk, h, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim
     fp32 = T * h * dk * dv if mode == "native" else T * (hk * dk + h * dv + h)
-    return shape.num_layers * (4 * fp32 + x_itemsize * T * shape.conv_dim)
+    held = shape.num_layers * (4 * fp32 + x_itemsize * T * shape.conv_dim)
+    if deferred:
+        held += 4 * shape.num_layers * recur_programs(h, dv, block_v) + 4 * T * (hk * dk + h)
+    return held
 
 
 def _size(b: float) -> str:
@@ -135,7 +152,11 @@ def _layer_inputs(shape: GDNShape, N: int, T: int, dtype, device, seed: int = 0)
     ]
 
 
-def _new_state(shape: GDNShape, N: int, mode: str, dtype, device, kernel_options) -> GDNState:
+MODES = ("replay", "replay_eager", "native", "reference")  # replay_eager: ReplaySSM with the deferral off
+
+
+def _new_state(shape: GDNShape, N: int, T: int, mode: str, dtype, device, kernel_options) -> GDNState:
+    """A state of every GDN layer with T-token logs reserved (as the engine's slots: ReplaySSM defers)."""
     s = GDNState(
         shape.num_layers,
         N,
@@ -147,9 +168,11 @@ def _new_state(shape: GDNShape, N: int, mode: str, dtype, device, kernel_options
         head_v_dim=shape.head_v_dim,
         dtype=dtype,
         device=device,
-        mode=mode,
+        mode="replay" if mode == "replay_eager" else mode,
         kernel_options=kernel_options,
+        defer=mode != "replay_eager",
     )
+    s.reserve(T)
     s.rec.normal_(0.0, 0.1)  # a state with history (values do not change the cost)
     s.conv.normal_()
     return s
@@ -174,9 +197,10 @@ def measure(
     graphs: bool = True,
     kernel_options: dict | None = None,
 ) -> Row:
-    """Time verify of every GDN layer + one commit of ``accepted`` (default T) tokens per row."""
+    """Time verify of every GDN layer + one commit of ``accepted`` (default T) tokens per row, the two
+    phases alternating (ReplaySSM: each verify folds the previous commit). mode: one of MODES."""
     device = torch.device(device)
-    state = _new_state(shape, N, mode, dtype, device, kernel_options)
+    state = _new_state(shape, N, T, mode, dtype, device, kernel_options)
     inputs = _layer_inputs(shape, N, T, dtype, device)
     n = torch.full((N,), T if accepted is None else accepted, dtype=torch.long, device=device)
     cuda = device.type == "cuda"
@@ -256,8 +280,6 @@ def measure(
     )
 
 
-# block_t only sizes the verify's prep kernel (not latency-bound); the recurrence and the fold are
-# what the tile width and warps change
 def profile_kernels(
     shape: GDNShape, N: int, T: int, mode: str, *, iters: int = 5, **kw
 ) -> list[tuple[str, float, float]]:
@@ -267,7 +289,7 @@ def profile_kernels(
     from torch.profiler import ProfilerActivity, profile
 
     device = torch.device(kw.get("device", "cuda"))
-    state = _new_state(shape, N, mode, kw.get("dtype", torch.bfloat16), device, kw.get("kernel_options"))
+    state = _new_state(shape, N, T, mode, kw.get("dtype", torch.bfloat16), device, kw.get("kernel_options"))
     inputs = _layer_inputs(shape, N, T, kw.get("dtype", torch.bfloat16), device)
     n = torch.full((N,), T, dtype=torch.long, device=device)
     for _ in range(3):
@@ -288,24 +310,35 @@ def profile_kernels(
     return sorted(rows, key=lambda r: -r[1])
 
 
+# block_t only sizes the prep kernel's token chunks (one chunk at T ≤ 16): not searched. The recurrence
+# and the fold are what the tile width and warps change; the prep's warps are its own knob
 SWEEP = dict(block_v=(8, 16, 32, 64), num_warps=(1, 2, 4, 8))
+PREP_SWEEP = (1, 2, 4, 8)  # the prep kernel's warps, searched after the tile (it does not depend on it)
 
 
 def best_options(shape, N, T, mode, **kw) -> Row:
-    """The fastest verify + commit over the SWEEP grid (options a kernel cannot compile are skipped)."""
+    """The fastest verify + commit over the SWEEP grid, then over PREP_SWEEP with the best tile
+    (options a kernel cannot compile are skipped)."""
     best = None
-    for bv, warps in itertools.product(*SWEEP.values()):
-        if bv > shape.head_v_dim * 2:
-            continue
-        options = dict(block_v=bv, num_warps=warps)
+
+    def attempt(options):
+        nonlocal best
         try:
             row = measure(shape, N, T, mode, kernel_options=options, **kw)
         except Exception as e:  # out of resources for this tile: not a candidate
             print(f"  batch {N} {mode} {options}: skipped ({type(e).__name__})", flush=True)
-            continue
+            return
         print(f"  batch {N} {mode} {options}: {row.verify_us:.1f} + {row.commit_us:.1f} µs", flush=True)
         if best is None or row.total_us < best.total_us:
             best = row
+
+    for bv, warps in itertools.product(*SWEEP.values()):
+        if bv <= shape.head_v_dim * 2:
+            attempt(dict(block_v=bv, num_warps=warps))
+    if best is not None and mode != "reference":
+        tile = dict(best.kernel_options)
+        for prep in PREP_SWEEP:
+            attempt({**tile, "prep_warps": prep})
     return best
 
 
@@ -313,6 +346,9 @@ def report(rows: list[Row], T: int) -> str:
     """Markdown table + the issue's targets, checked where the rows allow."""
     lines = [
         f"GDN verify + commit per layer, block T = {T}",
+        "",
+        "replay: the commit records n, the next verify folds those n tokens (its µs include the fold);"
+        " replay_eager: the commit folds at once; native: the commit copies the kept state.",
         "",
         "| batch | mode | verify µs | commit µs | total µs | spec state / request | committed / request | options |",
         "|---:|---|---:|---:|---:|---:|---:|---|",
@@ -333,6 +369,9 @@ def report(rows: list[Row], T: int) -> str:
                 f"batch {N}: native ÷ replay time {nat.total_us / rep.total_us:.2f}×{target}, speculative state "
                 f"native ÷ replay {nat.spec_bytes_per_request / rep.spec_bytes_per_request:.1f}× (target ≥ 20×)"
             )
+        eager = by.get((N, "replay_eager"))
+        if rep and eager:
+            lines.append(f"batch {N}: deferred fold: replay_eager ÷ replay time {eager.total_us / rep.total_us:.2f}×")
         if rep and N == 1:
             lines.append(f"batch 1: replay {rep.total_us:.1f} µs per GDN layer (target ≤ 24 µs)")
     return "\n".join(lines)
@@ -344,12 +383,12 @@ def main(argv=None) -> list[Row]:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     p.add_argument("--block", type=int, default=16, help="T, tokens verified per row")
     p.add_argument("--accepted", type=int, default=None, help="n committed per row (default T)")
-    p.add_argument("--modes", nargs="+", default=["replay", "native"], choices=["replay", "native", "reference"])
+    p.add_argument("--modes", nargs="+", default=["replay", "native"], choices=MODES)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--eager", action="store_true", help="time plain calls instead of CUDA-graph replays")
-    p.add_argument("--sweep", action="store_true", help="search block_v / num_warps per batch and mode")
+    p.add_argument("--sweep", action="store_true", help="search block_v / num_warps / prep_warps per batch and mode")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
     p.add_argument("--profile", action="store_true", help="also list the GPU kernels of a step per batch and mode")

@@ -173,7 +173,8 @@ class DecodeState:
     gdn:     GDNState of the Gated DeltaNet layers, or None (attention-only targets).
 
     Use: ``meta = state.step_meta(T)``, run the forward (the model calls this itself),
-    then ``state.commit(n)``. Built by a model's ``new_state(batch_size, max_len)``.
+    then ``state.commit(n)``; ``state.flush()`` before reading GDN states outside a forward.
+    Built by a model's ``new_state(batch_size, max_len)``.
     """
 
     def __init__(self, lengths: torch.Tensor, kv: KVCache | None, gdn: GDNState | None):
@@ -202,13 +203,20 @@ class DecodeState:
         mask = mask.repeat(1, self.kv.groups, 1)[:, None]  # (N, 1, G·T, S), row g·T + t
         return StepMeta(positions, write_index, mask, kv_len, "causal")
 
-    def commit(self, n: torch.Tensor) -> None:
+    def commit(self, n: torch.Tensor, defer: bool = True) -> None:
         """Keep the first n[r] tokens of the last forward's block in row r; n (N,) long in [0, T].
 
         n[r] = 0 leaves row r unchanged (for rows that did not take part); a speculative
         step always commits ≥ 1 (the accepted drafts + the bonus token, or the correction).
-        Attention layers only need the new lengths; GDN layers replay n[r] logged tokens.
+        Attention layers only need the new lengths; GDN layers replay n[r] logged tokens (ReplaySSM:
+        deferred into the next forward unless ``defer=False``; GDNState.commit).
         """
         if self.gdn is not None:
-            self.gdn.commit(n)
+            self.gdn.commit(n, defer=defer)
         self.lengths += n
+
+    def flush(self) -> None:
+        """Materialise the GDN states (a ReplaySSM commit may be deferred into the next verify:
+        GDNState.flush); call before reading them anywhere but in a forward. Idempotent."""
+        if self.gdn is not None:
+            self.gdn.flush()

@@ -223,7 +223,10 @@ class Decoder:
 
     # ------------------------------------------------------------------ phases (functions of the slot)
     def _commit(self, s: Slot, T: int, spec: bool) -> None:
-        """Rollback / commit: keep commit_n[r] of the T block tokens (target lengths, GDN replay, drafter context)."""
+        """Rollback / commit: keep commit_n[r] of the T block tokens (target lengths, GDN replay, drafter context).
+
+        ReplaySSM's GDN fold is deferred into the next verify (the logs are the slot's reserved ones):
+        between steps the slot's GDN states lag by one commit; the end of a generation flushes."""
         if s.state.gdn is not None:
             s.state.gdn.use_static(T)  # what the last T-token verify logged, at its fixed addresses
         s.state.commit(s.commit_n)
@@ -298,6 +301,7 @@ class Decoder:
             self._phase(s, ("commit", 1), lambda: self._commit(s, 1, False), "commit")
 
         self._loop(s, 1, step)
+        s.state.flush()  # the committed GDN states, materialised for whoever reads the slot next
         return self._sequences(s, N)
 
     @torch.no_grad()
@@ -338,6 +342,7 @@ class Decoder:
             self._phase(s, ("commit", B), lambda: self._commit(s, B, True), "commit")
 
         self._loop(s, B, step)
+        s.state.flush()
         return SpecResult(self._sequences(s, N), *self._per_row_steps(s, N), B)
 
     @staticmethod

@@ -26,12 +26,25 @@ Three implementations of the same two steps, chosen by ``mode`` (§5.5), plus ``
 * ``"reference"``: plain PyTorch (kernels/gdn_verify/reference.py, kernels/gdn_replay/reference.py;
   a Python loop over T), the oracle the kernels are tested against; runs anywhere;
 * ``"replay"``: the Triton ReplaySSM kernels (verify fused with conv + SiLU, L2 norms and gates;
-  commit = exact fold + conv roll);
+  commit = exact fold + conv roll, *deferred* into the next verify when the logs are reserved: below);
 * ``"native"``: the native-rollback ablation: the verify kernel stores the full state after every
   position and the commit copies row r's state at n[r]. Forwards longer than ``native_max_tokens``
   (prefill) log for a fold instead: T full states of a long prompt would not fit.
 
 Triton modes on CPU tensors need Triton's interpreter (kernels/triton_util.py).
+
+**Deferred commit (``"replay"`` with reserved logs, i.e. the engine's decode steps).** A commit
+only records n (a device tensor at a fixed address) and keeps the log; the next verify of each
+layer folds those n tokens into the state tile it holds in registers anyway, writes the state
+back once, rolls the conv window, and then verifies its block (kernels/gdn_verify/kernel.py).
+Why: at batch 1 the fold was a third latency-bound launch per layer that re-read and re-wrote the
+whole state (docs/BENCHMARKS.md, issue 14). The consequence: between a commit and the next verify,
+``conv`` / ``rec`` lag behind by the pending fold. Whatever reads them there must call
+:meth:`GDNState.flush` first (it folds with the commit kernel, bit for bit what the next verify
+would have done; idempotent); the engine does at the end of every generation, and ``reset`` drops
+a pending fold. Unreserved logs (ad-hoc calls) and ``commit(n, defer=False)`` (prefill) are folded
+at once, as in the other modes: a fresh log has no fixed address a captured verify could find it
+at, and a prefill's first decode verify may be a captured graph of another block length.
 
 Shapes: N rows, T block tokens, C conv channels (2·Hk·d_k + H·d_v), K conv kernel,
 Hk key heads, H value heads (Hk divides H), L_g GDN layers.
@@ -41,7 +54,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash2.runtime.kernels.gdn_log import GDNLog, new_log
+from dflash2.runtime.kernels.gdn_log import GDNLog, PendingFold, new_log, recur_programs
 from dflash2.runtime.kernels.gdn_replay.reference import gdn_replay
 from dflash2.runtime.kernels.gdn_verify.reference import gdn_gates, gdn_verify
 
@@ -57,6 +70,7 @@ __all__ = [
     "NATIVE_MAX_TOKENS",
     "GDNLog",
     "GDNState",
+    "PendingFold",
     "gdn_gates",
     "gdn_replay",
     "gdn_verify",
@@ -86,9 +100,12 @@ class GDNState:
     conv: (L_g, N, C, K-1) model dtype; rec: (L_g, N, H, d_k, d_v) fp32. Both are
     preallocated and updated in place (static addresses, CUDA-graph friendly); zeros
     = the empty prefix, as HF starts. ``verify(slot, ...)`` is called once per layer
-    per forward and keeps that layer's log until ``commit(n)`` consumes all of them.
+    per forward and keeps that layer's log until ``commit(n)`` consumes all of them (in replay mode
+    with reserved logs the commit is deferred into the next verify: module docstring, :meth:`flush`).
     mode: 'reference' | 'replay' | 'native', or 'auto' (by the device: module docstring); kernel_options: block_v /
-    block_t / num_warps for the Triton kernels (tuning).
+    block_t / num_warps / prep_warps for the Triton kernels (tuning); defer: whether replay mode defers
+    commits of reserved logs (default True; False commits with the fold kernel at once, the layout
+    before the deferred commit, for comparisons).
     """
 
     def __init__(
@@ -107,6 +124,7 @@ class GDNState:
         mode: str = "reference",
         native_max_tokens: int = NATIVE_MAX_TOKENS,
         kernel_options: dict | None = None,
+        defer: bool = True,
     ):
         mode = resolve_gdn_mode(mode, device)
         self.conv = torch.zeros(num_layers, batch_size, conv_dim, conv_kernel - 1, dtype=dtype, device=device)
@@ -118,6 +136,19 @@ class GDNState:
         self.kernel_options = dict(kernel_options or {})
         self.logs: list[GDNLog | None] = [None] * num_layers
         self._static: dict[int, list[GDNLog]] = {}  # T -> per-layer logs at fixed addresses (reserve)
+        self.defer = bool(defer)
+        # The deferred commit (replay mode, reserved logs), per reserved T, at fixed addresses: the pending
+        # counts (L_g, N, P) int32, one per program of the verify's recurrence kernel, and the (k, g) stash of
+        # the pending tokens (shared by the layers: a verify consumes it). Per T because a pending fold can
+        # only be folded from the log of its own length, and a flush must know which log that is even when
+        # CUDA graphs replayed the commits (no Python runs then).
+        self._pend: dict[int, torch.Tensor] = {}
+        self._stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Host-side hints of what may be pending: the T of the last deferred commit made in Python (exact
+        # for eager use), and every T whose commit was captured into a CUDA graph (its replays defer
+        # commits no Python sees: flush() always folds those T's counts, which are 0 if nothing is pending).
+        self._deferred: int | None = None
+        self._captured: set[int] = set()
 
     def _native(self, T: int) -> bool:
         """Whether a T-token verify stores per-position states (native mode, short enough)."""
@@ -144,16 +175,58 @@ class GDNState:
             )
             for _ in range(L)
         ]
+        if self.mode == "replay":  # the deferred commit's counts and stash, at fixed addresses too
+            f32 = dict(dtype=torch.float32, device=self.rec.device)
+            self._stash[T] = (torch.zeros(N, T, self.num_k_heads, dk, **f32), torch.zeros(N, T, H, **f32))
+            P = recur_programs(H, dv, self.kernel_options.get("block_v"))
+            self._pend[T] = torch.zeros(L, N, P, dtype=torch.int32, device=self.rec.device)
 
     def use_static(self, T: int) -> None:
         """Point the logs a commit folds at the reserved T-token logs (what the last T-token verify wrote)."""
         self.logs = list(self._static[T])
 
     def reset(self) -> None:
-        """Empty prefix for every row (zero states), as a new generation starts."""
+        """Empty prefix for every row (zero states), as a new generation starts; a pending fold is dropped."""
         self.conv.zero_()
         self.rec.zero_()
         self.logs = [None] * len(self.logs)
+        for pend in self._pend.values():
+            pend.zero_()
+        self._deferred = None
+
+    def _commit_options(self) -> dict:
+        """The kernel options the commit kernel takes (block_t and prep_warps only tune the verify)."""
+        return {k: v for k, v in self.kernel_options.items() if k in ("block_v", "num_warps")}
+
+    def _defers(self, T: int) -> bool:
+        """Whether commits of T-token verifies are deferred (and those verifies fold a pending commit)."""
+        return self.mode == "replay" and self.defer and T in self._static
+
+    def flush(self) -> None:
+        """Materialise ``conv`` / ``rec``: fold a pending (deferred) commit now, with the commit kernel.
+
+        Bit for bit what the next verify would have folded (the same operations on the same values).
+        A no-op without a pending commit, and idempotent: the counts are zeroed. Call it before reading
+        the states anywhere but in verify (the engine does at the end of every generation). Eager: it
+        launches kernels (none when nothing can be pending), so not inside a graph capture. Where
+        commits were captured into CUDA graphs it always folds those block lengths' counts: their
+        replays are invisible to Python, and rows with a count of 0 are left untouched.
+        """
+        lengths = set(self._captured)
+        if self._deferred is not None:
+            lengths.add(self._deferred)
+        if not lengths:
+            return
+        from dflash2.runtime.kernels.gdn_replay import gdn_replay_triton
+
+        opts = self._commit_options()
+        for T in sorted(lengths):
+            pend = self._pend[T]
+            n = pend[:, :, 0].contiguous()  # (L_g, N): the counts are equal across a row's programs
+            for slot, log in enumerate(self._static[T]):
+                gdn_replay_triton(self.conv[slot], self.rec[slot], log, n[slot], **opts)  # n = 0: untouched
+            pend.zero_()
+        self._deferred = None
 
     def verify(
         self,
@@ -166,10 +239,14 @@ class GDNState:
         dt_bias: torch.Tensor,
     ) -> torch.Tensor:
         """Layer ``slot``: x (N, T, C) pre-conv, conv_weight (C, 1, K), a / b (N, T, H) the raw gate
-        projections, A_log / dt_bias (H,) -> o (N, T, H, d_v) in x's dtype. The states are only read;
-        the log goes to the reserved addresses when T was reserved."""
-        static = self._static.get(x.shape[1])
+        projections, A_log / dt_bias (H,) -> o (N, T, H, d_v) in x's dtype. The states are only read,
+        but for a deferred commit, which is folded into them first; the log goes to the reserved
+        addresses when T was reserved."""
+        T = x.shape[1]
+        static = self._static.get(T)
         out = None if static is None else static[slot]
+        if self._deferred is not None and (self._deferred != T or not self._defers(T)):
+            self._flush_here()  # a commit of another block length is pending: this verify cannot fold it
         if self.mode == "reference":
             g, beta = gdn_gates(a, b, A_log, dt_bias)
             o, log = gdn_verify(
@@ -183,6 +260,9 @@ class GDNState:
             return o
         from dflash2.runtime.kernels.gdn_verify import gdn_verify_triton  # Triton only where it runs
 
+        fold = None
+        if self._defers(T):  # always, so that a captured verify is the same kernel whether a fold is pending
+            fold = PendingFold(self._pend[T][slot], *self._stash[T])
         o, self.logs[slot] = gdn_verify_triton(
             x,
             self.conv[slot],
@@ -193,16 +273,41 @@ class GDNState:
             A_log,
             dt_bias,
             self.num_k_heads,
-            native=self._native(x.shape[1]),
+            native=self._native(T),
             out=out,
+            fold=fold,
             **self.kernel_options,
         )
         return o
 
-    def commit(self, n: torch.Tensor) -> None:
-        """Fold n[r] tokens of the last verify into row r of every layer; n (N,) long in [0, T]."""
+    def _flush_here(self) -> None:
+        """flush() from inside verify, refused while a CUDA graph is being captured: the fold would be
+        recorded into the graph and replayed with whatever counts a later step leaves."""
+        if self.rec.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"a deferred GDN commit of a {self._deferred}-token block is pending while a verify of another "
+                "length is captured; flush() the state before capturing"
+            )
+        self.flush()
+
+    def commit(self, n: torch.Tensor, defer: bool = True) -> None:
+        """Fold n[r] tokens of the last verify into row r of every layer; n (N,) long in [0, T].
+
+        In replay mode with the reserved logs of a T-token verify the fold is deferred: n is recorded
+        (one copy into the pending counts of all layers) and the next T-token verify folds it, or
+        :meth:`flush`. ``defer=False`` folds at once whatever the logs (a prefill: the first decode
+        verify, possibly a captured graph, may have another block length and could not fold it)."""
         if any(log is None for log in self.logs):
             raise RuntimeError("GDNState.commit without a verify of every GDN layer since the last commit")
+        T = self.logs[0].x.shape[1]
+        if defer and self._defers(T) and all(log is res for log, res in zip(self.logs, self._static[T])):
+            pend = self._pend[T]
+            pend.copy_(n.view(1, -1, 1).expand_as(pend))  # int64 -> int32, every layer and program
+            self._deferred = T
+            if self.rec.is_cuda and torch.cuda.is_current_stream_capturing():
+                self._captured.add(T)  # replays of this graph defer commits that flush() must find
+            self.logs = [None] * len(self.logs)
+            return
         if self.mode == "reference":
             for slot, log in enumerate(self.logs):
                 conv, rec = gdn_replay(self.conv[slot], self.rec[slot], log, n)
@@ -211,12 +316,17 @@ class GDNState:
         else:
             from dflash2.runtime.kernels.gdn_replay import gdn_replay_triton
 
-            opts = {k: v for k, v in self.kernel_options.items() if k != "block_t"}
+            opts = self._commit_options()
             for slot, log in enumerate(self.logs):
                 gdn_replay_triton(self.conv[slot], self.rec[slot], log, n, **opts)
         self.logs = [None] * len(self.logs)
 
     def log_bytes(self) -> int:
         """Bytes of speculative state the pending logs hold (all layers, all rows): what the
-        verify → commit round trip keeps beyond the committed states."""
-        return sum(log.nbytes() for log in self.logs if log is not None)
+        verify → commit round trip keeps beyond the committed states — with the deferred commit also
+        its counts and the stash of the logs' block length (kept until the next verify)."""
+        held = sum(log.nbytes() for log in self.logs if log is not None)
+        T = next((log.x.shape[1] for log in self.logs if log is not None), None)
+        if T is not None and self._defers(T):
+            held += sum(t.numel() * t.element_size() for t in (self._pend[T], *self._stash[T]))
+        return held

@@ -138,7 +138,9 @@ def prefill(model, state, ids: torch.Tensor, lengths: torch.Tensor, taps_out=Non
     P_max positions go to ``taps_out`` (N, P_max, K·d) when given.
     """
     out = model(ids, state, taps_out=taps_out, logits_index=lengths - 1)
-    state.commit(lengths)
+    # folded at once, even for a prompt as long as a reserved block (whose commit would be deferred): the
+    # first decode verify may be a captured graph of another block length, which folds only its own log
+    state.commit(lengths, defer=False)
     return out.logits
 
 

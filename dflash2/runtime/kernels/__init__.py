@@ -19,11 +19,13 @@ The Gated DeltaNet ops live in a folder each (docs/ARCHITECTURE.md §5.5): ``ref
 Triton kernel + launcher), ``__init__`` (the public function with its shapes):
 
 * :mod:`.gdn_verify`: the outputs of a block of T tokens from the untouched state (conv +
-  SiLU, q/k L2 norm, gates, recurrence fused), logging what a commit needs;
+  SiLU, q/k L2 norm, gates, recurrence fused), logging what a commit needs; with ReplaySSM's
+  deferred commit it first folds the previous commit into the state in place;
 * :mod:`.gdn_replay`: the commit: fold n[r] logged tokens into row r's state ("exact fold")
   or, for the native-rollback ablation, copy the state verify stored at n[r]; roll the conv
-  window. ``GDNState(mode="replay" | "native")`` chooses them explicitly, so they do not go
-  through ``use_triton``: on CPU tensors they run in the interpreter or refuse with the fix
+  window (ReplaySSM with reserved logs runs it only to flush a deferred commit).
+  ``GDNState(mode="replay" | "native")`` chooses them explicitly, so they do not go through
+  ``use_triton``: on CPU tensors they run in the interpreter or refuse with the fix
   (:mod:`.triton_util`).
 
 Each public function takes the same tensors on any device and dispatches: CUDA

@@ -1,12 +1,14 @@
 """What a GDN verify keeps for the commit (docs/ARCHITECTURE.md §5.3, §5.5).
 
-One :class:`GDNLog` per GDN layer and verify, consumed by the commit of the same step.
+One :class:`GDNLog` per GDN layer and verify, consumed by the commit of the same step — or,
+with ReplaySSM's deferred commit, by the next verify of the layer (:class:`PendingFold`).
 ReplaySSM logs (k, u, g): u_t = β_t (v_t − h_{t−1}ᵀ k_t) already holds the delta-rule
 correction, so folding n tokens needs no hᵀk and no v. The native-rollback ablation
 instead keeps the full state after every position. Both keep the T pre-conv inputs x,
 from which the commit builds the new conv window.
 
-Shapes: N rows, T block tokens, C conv channels, Hk key heads, H value heads.
+Shapes: N rows, T block tokens, C conv channels, Hk key heads, H value heads, P programs of
+the verify's recurrence per row (H · d_v / block_v).
 """
 
 from __future__ import annotations
@@ -62,3 +64,34 @@ def new_log(
         return GDNLog(x=x, states=alloc(N, T, H, head_k_dim, head_v_dim, **f32))
     k = alloc(N, T, num_k_heads, head_k_dim, **f32)
     return GDNLog(x=x, k=k, u=alloc(N, T, H, head_v_dim, **f32), g=alloc(N, T, H, **f32))
+
+
+@dataclass
+class PendingFold:
+    """A commit that has not been folded yet (ReplaySSM's deferred commit): what the next verify needs.
+
+    n: (N, P) int32, the tokens to fold per row, once per program of the verify's recurrence kernel
+    (all P equal within a row; each program zeroes its own after folding, so the counts say what is
+    still pending). k: (N, T, Hk, d_k) and g: (N, T, H) fp32, a stash the verify's prep kernel copies
+    the pending tokens' logged k and g to before it overwrites them with the new block's (the fold
+    reads them after that, from many programs). The log itself is the verify's ``out``.
+    """
+
+    n: torch.Tensor
+    k: torch.Tensor
+    g: torch.Tensor
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.n, self.k, self.g))
+
+
+def default_block_v(head_v_dim: int) -> int:
+    """The verify / commit kernels' default value-slice width: d_v rounded up to a power of two, at most
+    16 (the H200 sweep's best at batch 64; docs/BENCHMARKS.md). Plain Python: no Triton import."""
+    return min(1 << max(head_v_dim - 1, 0).bit_length(), 16)
+
+
+def recur_programs(num_v_heads: int, head_v_dim: int, block_v: int | None = None) -> int:
+    """P, the verify recurrence kernel's programs per row: H · ceil(d_v / block_v) (PendingFold.n's width)."""
+    bv = block_v or default_block_v(head_v_dim)
+    return num_v_heads * -(-head_v_dim // bv)

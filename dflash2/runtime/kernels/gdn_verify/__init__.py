@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from dflash2.runtime.kernels.gdn_log import GDNLog, new_log
+from dflash2.runtime.kernels.gdn_log import GDNLog, PendingFold, default_block_v, new_log, recur_programs
+
+PREP_TOKENS = 16  # the prep kernel's tokens per chunk (see gdn_verify_triton)
 
 
 def gdn_verify_triton(
@@ -25,20 +27,30 @@ def gdn_verify_triton(
     *,
     native: bool = False,
     out: GDNLog | None = None,
+    fold: PendingFold | None = None,
     block_v: int | None = None,
     block_t: int | None = None,
     num_warps: int | None = None,
+    prep_warps: int | None = None,
 ) -> tuple[torch.Tensor, GDNLog]:
     """Outputs of the T block tokens of every row from the untouched states, plus the commit log.
 
     x (N, T, C) pre-conv q|k|v projections (model dtype), C = 2·Hk·d_k + H·d_v;
     conv_state (N, C, K-1) model dtype; conv_weight (C, 1, K); rec_state (N, H, d_k, d_v) fp32;
     a, b (N, T, H) the in_proj_a / in_proj_b outputs; A_log, dt_bias (H,); num_k_heads Hk.
-    Both states are only read. Returns o (N, T, H, d_v) in x's dtype and a :class:`GDNLog`:
-    ReplaySSM k (N, T, Hk, d_k), u (N, T, H, d_v), g (N, T, H) fp32; native: states
+    Both states are only read (but see ``fold``). Returns o (N, T, H, d_v) in x's dtype and a
+    :class:`GDNLog`: ReplaySSM k (N, T, Hk, d_k), u (N, T, H, d_v), g (N, T, H) fp32; native: states
     (N, T, H, d_k, d_v) fp32. The log keeps x itself (no copy), or, with ``out`` (a log of that
-    layout, e.g. GDNState's reserved one for CUDA graphs), is written there, x copied in.
-    block_v / block_t / num_warps: tile width over d_v, tokens per chunk, warps per program (tuning knobs).
+    layout, e.g. GDNState's reserved one for CUDA graphs), is written there, x stored by the kernel.
+
+    fold (ReplaySSM, needs ``out``): the deferred commit of the previous verify, whose log ``out``
+    still holds (same T). Before verifying, the first fold.n[r] logged tokens of ``out`` are
+    committed into row r of both states *in place* — exactly what gdn_replay_triton(conv_state,
+    rec_state, out, n) would leave, bit for bit — and the new block is verified from there; the
+    counts are zeroed (a second call folds nothing). fold.n must have recur_programs(H, d_v, block_v)
+    columns (the recurrence kernel's programs per row).
+    block_v / block_t / num_warps / prep_warps: tile width over d_v, tokens per chunk, warps per
+    recurrence / prep program (tuning knobs).
     """
     N, T, C = x.shape
     H, dk, dv = rec_state.shape[1:]
@@ -65,9 +77,20 @@ def gdn_verify_triton(
         log = new_log(x, **dims, native=native)
     else:
         log = out
-        log.x.copy_(x)
+        if log.x.shape != x.shape or log.x.stride(-1) != 1:
+            raise ValueError(f"out holds x of {tuple(log.x.shape)} (channels contiguous); x is {tuple(x.shape)}")
     if log.native != native:
         raise ValueError(f"out is a {'native' if log.native else 'ReplaySSM'} log; this verify writes the other")
+    bv = block_v or default_block_v(dv)
+    if fold is not None:
+        if out is None or native:
+            raise ValueError("a pending fold is folded from the ReplaySSM log it was logged in: pass it as out")
+        if fold.n.shape != (N, recur_programs(H, dv, bv)) or fold.n.stride(-1) != 1:
+            raise ValueError(f"fold.n {tuple(fold.n.shape)}: expected ({N}, {recur_programs(H, dv, bv)}) contiguous")
+        if fold.k.shape != log.k.shape or fold.g.shape != log.g.shape:
+            raise ValueError("fold.k / fold.g must have the log's k / g shapes")
+        if x.data_ptr() == log.x.data_ptr():  # the fold reads the previous block's x there
+            raise ValueError("x is the log's own x: the pending fold's inputs would be overwritten")
     if T == 0 or N == 0:
         return o, log
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -83,8 +106,17 @@ def gdn_verify_triton(
     )
     # the other mode's output is never touched: any tensor will do
     u, states = (log.states, log.states) if native else (log.u, log.u)
-    bk, bv = triton.next_power_of_2(dk), block_v or min(triton.next_power_of_2(dv), 16)
-    bt = block_t or min(triton.next_power_of_2(T), 16)
+    bk = triton.next_power_of_2(dk)
+    # One compiled variant for every verify (see _no_fold): the q / k L2 norm and the recurrence's dot
+    # products are cross-thread sums whose order follows the layout the compiler picks, and that
+    # layout depends on the tile shape and on the code around it. On the H200 a (1, d) tile (single-
+    # token decode) and a (16, d) tile (a block) rounded the norm differently, and so did the kernels
+    # with and without the fold's extra loads. Same chunk shape, same code: every token is normalised
+    # and folded bit for bit as decoding does it (the exact fold); the masked rows move no bytes.
+    # Only the first chunk may read the old window and x (kernel.py): BT ≥ K-1.
+    bt = max(block_t or PREP_TOKENS, triton.next_power_of_2(K - 1))
+    if fold is None:
+        fold = _no_fold(N, recur_programs(H, dv, bv), prep[1], prep[3])
     launch_verify(
         x,
         conv_state,
@@ -98,12 +130,33 @@ def gdn_verify_triton(
         prep,
         u,
         states,
+        log.x,
+        (fold.n, fold.k, fold.g),
         num_k_heads=num_k_heads,
         native=native,
+        store_x=out is not None,
         block_v=bv,
         block_t=bt,
-        # registers: the recurrence's state tile; the prep's q/k/v tiles of a chunk
+        # registers: the recurrence's state tile (≤ ~64 fp32 per thread). The prep's (BT, d) conv tiles
+        # are latency-bound at batch 1 (64 programs at the 9B shape for 132 SMs): 4 warps split each
+        # program's loads four ways at no cost in occupancy; a first guess for the sweep to tune
         num_warps=num_warps or default_warps(bk * bv),
-        prep_warps=default_warps(bt * (2 * bk + triton.next_power_of_2(dv))),
+        prep_warps=prep_warps or 4,
     )
     return o, log
+
+
+_NO_PENDING: dict[tuple, torch.Tensor] = {}
+
+
+def _no_fold(N: int, programs: int, k: torch.Tensor, g: torch.Tensor) -> PendingFold:
+    """A fold of nothing, so that verifies without a pending commit run the fold's compiled variant too.
+
+    Counts (N, programs) int32 zeros, kept per (device, shape) so that CUDA graphs capture a fixed
+    address; no kernel writes a zero count (a program stores 0 only after folding n > 0). k / g stand
+    in for the stash: with n = 0 every stash load and store is masked off, and they are large enough
+    for the loads the recurrence kernel issues before it reads n (kernel.py)."""
+    key = (k.device, N, programs)
+    if key not in _NO_PENDING:
+        _NO_PENDING[key] = torch.zeros(N, programs, dtype=torch.int32, device=k.device)
+    return PendingFold(_NO_PENDING[key], k, g)

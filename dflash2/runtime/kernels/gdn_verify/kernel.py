@@ -2,17 +2,43 @@
 
 Two kernels per verify, because the recurrence is latency-bound:
 
-1. ``gdn_prep_kernel``, grid (N, H): everything that does not depend on the state, for all
-   T block tokens at once as (BT, ·) tiles — the depthwise causal conv over
-   [conv window | x_1..x_T] + SiLU, the q/k L2 norms, g and β from the raw projections —
-   written as fp32 rows (k and g straight into the ReplaySSM log).
+1. ``gdn_prep_kernel``, grid (N, 2·Hk + H): one program per row and *head of channels* — a q
+   head, a k head or a v head (d_k or d_v conv channels) — so q, k and v are prepared by
+   different programs side by side, none of them walking the three in sequence. For all T
+   block tokens at once as (BT, ·) tiles: the depthwise causal conv over
+   [conv window | x_1..x_T] + SiLU, then the L2 norm (q, k heads) or g and β from the raw
+   projections (v heads), written as fp32 rows (k and g straight into the ReplaySSM log).
 2. ``gdn_recur_kernel``, grid (d_v / BV, N·H): one program keeps its (d_k × BV) tile of
    the recurrent state in registers and walks the T tokens in order, so every token sees
    the state after the previous ones, exactly as single-token decoding would (fla's
-   fused_recurrent layout). Each step is two reductions over d_k (hᵀk and hᵀq); the next
-   token's q, k, v, g, β are loaded before them so the loads' latency hides under the
-   step. The state in memory is only read: ReplaySSM logs u, native rollback stores h
-   after every token.
+   fused_recurrent layout). Each step is two reductions over d_k (hᵀk and hᵀq); the rows of
+   the next two tokens are loaded before them so the loads' latency hides under the steps.
+   ReplaySSM logs u, native rollback stores h after every token.
+
+**The deferred commit (FOLD, ReplaySSM with a reserved log; docs/ARCHITECTURE.md §5.5).** A
+commit only records its counts; the next verify of the layer folds them. Then the prep kernel
+first rolls the conv window by the pending n (new window = columns n .. n+K-2 of
+[old window | previous block's x], written back once) and convolves the new block over that
+window, and the recurrence kernel first folds the pending n logged tokens into the state tile
+it already holds in registers — h ← h·exp(g_t); h ← h + k_t u_tᵀ, the commit kernel's
+operations in its order — writes the folded tile back once and zeroes its count, then walks
+the new block. One state read and one write per step instead of two of each, and no fold
+launch. The log being folded is the one this verify overwrites (the same reserved addresses,
+which CUDA graphs need), so every old value is read before it is overwritten:
+
+* the previous x columns and the old window: by the prep program that owns those channels,
+  before it stores the new ones (a barrier between, because its threads load and store
+  different elements);
+* the previous k and g: read by many recurrence programs (every value head of a key head,
+  every value slice), so the prep program that overwrites them first copies the pending
+  tokens' rows to a stash (one layer's worth, shared by all layers: it is consumed within the
+  verify) from which the recurrence folds;
+* the previous u: each recurrence program reads only its own (head, value slice), all of
+  it in the fold, before storing the new block's (a barrier between, as above).
+
+The counts are per recurrence program (all equal within a row) and each program zeroes its
+own, so a second verify without a commit in between folds nothing; the prep kernel, which
+runs before, reads the first column.
 
 Why not one kernel: a fused version picked token t's q/k/v/g/β out of the chunk's tiles
 with masked sums — five more cross-warp reductions per token, which made the token loop
@@ -24,37 +50,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _conv_silu_tile(
-    x_row, conv_row, w, ch, m, o_t, T, stride_xt, stride_cc, KW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr
-):
-    """(BT, BC) SiLU(causal conv) of channels ch (BC,) at block tokens o_t (BT,); rows ≥ T are 0.
-
-    Token t reads columns t .. t+KW-1 of [conv window (KW-1 columns) | x_0 .. x_{T-1}].
-    """
-    acc = tl.zeros([BT, BC], dtype=tl.float32)
-    for j in tl.static_range(KW):
-        col = o_t + j
-        in_window = col < KW - 1  # an old input (conv state), else a block input (x)
-        old = tl.load(
-            conv_row + ch[None, :] * stride_cc + col[:, None], mask=in_window[:, None] & m[None, :], other=0.0
-        )
-        new = tl.load(
-            x_row + (col - (KW - 1))[:, None] * stride_xt + ch[None, :],
-            mask=(~in_window & (o_t < T))[:, None] & m[None, :],
-            other=0.0,
-        )
-        w_j = tl.load(w + ch * KW + j, mask=m, other=0.0).to(tl.float32)
-        acc += w_j[None, :] * (old.to(tl.float32) + new.to(tl.float32))
-    # the reference convolves in the model dtype and applies SiLU there: round twice as it does
-    y = acc.to(x_row.dtype.element_ty).to(tl.float32)
-    y = y / (1.0 + tl.exp(-y))
-    return y.to(x_row.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
 def gdn_prep_kernel(
     x,  # (N, T, C) pre-conv q|k|v, model dtype, channels contiguous
-    conv,  # (N, C, KW-1) conv window, model dtype, read only
+    conv,  # (N, C, KW-1) conv window, model dtype; FOLD: rolled by the pending n in place
     w,  # (C, KW) conv weight
     a,  # (N, T, H) in_proj_a output
     b,  # (N, T, H) in_proj_b output
@@ -65,6 +63,10 @@ def gdn_prep_kernel(
     v_out,  # (N, T, H, DV) fp32 out: conv + SiLU
     g_out,  # (N, T, H) fp32 out: log decay (the ReplaySSM log's g)
     beta_out,  # (N, T, H) fp32 out
+    x_log,  # (N, T, C) the log's x: FOLD reads the pending tokens' columns; STORE_X stores this block's
+    pend,  # (N, P) int32 pending counts (FOLD: column 0 is read; the recurrence kernel zeroes them)
+    stash_k,  # (N, T, HK, DK) fp32 out (FOLD): the pending tokens' logged k, before k_out overwrites it
+    stash_g,  # (N, T, H) fp32 out (FOLD): their logged g
     T,
     stride_xn,
     stride_xt,
@@ -74,59 +76,131 @@ def gdn_prep_kernel(
     stride_at,
     stride_bn,
     stride_bt,
+    stride_ln,
+    stride_lt,
+    stride_pn,
     HK: tl.constexpr,
     H: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
     KW: tl.constexpr,
-    BK: tl.constexpr,
-    BDV: tl.constexpr,
-    BT: tl.constexpr,
+    BC: tl.constexpr,  # ≥ max(DK, DV): one head of channels
+    BT: tl.constexpr,  # FOLD: ≥ KW-1
+    BW: tl.constexpr,  # ≥ KW-1: the window's columns
     SQRT_DK: tl.constexpr,
+    FOLD: tl.constexpr,
+    STORE_X: tl.constexpr,
 ):
     i_n = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
-    i_hk = i_h // (H // HK)
-    o_k = tl.arange(0, BK)
-    o_v = tl.arange(0, BDV)
-    m_k = o_k < DK
-    m_v = o_v < DV
+    j = tl.program_id(1)  # 0..HK-1: q head j; HK..2·HK-1: k head j-HK; then v head j-2·HK
+    is_v = j >= 2 * HK
+    i_h = j - 2 * HK  # the value head (v programs only)
+    i_hk = tl.where(j < HK, j, j - HK)  # the key head (q / k programs only)
+    # channels of this head: q|k|v are concatenated, q and k heads of DK channels, v heads of DV
+    base = tl.where(is_v, 2 * HK * DK + i_h * DV, j * DK)
+    o_c = tl.arange(0, BC)
+    m_c = o_c < tl.where(is_v, DV, DK)
+    ch = base + o_c
     x_row = x + i_n * stride_xn
     conv_row = conv + i_n * stride_cn
-    neg_A = -tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    dt_b = tl.load(dt_bias + i_h).to(tl.float32)
-    first_of_key_head = i_h % (H // HK) == 0  # one program per key head writes its q and k
+    xl_row = x_log + i_n * stride_ln
+    if FOLD:
+        n = tl.load(pend + i_n * stride_pn).to(tl.int32)  # pending tokens of the previous block
+        # of those, the logged k (k programs) and g (v programs) go to the stash the recurrence kernel folds
+        # from (many of its programs read them; this program overwrites them with the new block's): each
+        # chunk below loads its rows before the barrier and stores them after, off the critical path
+        n_k = tl.where((j >= HK) & (j < 2 * HK), n, 0)
+        n_g = tl.where(is_v, n, 0)
+        # the rolled window: column w = column n + w of [old window (KW-1) | previous x], loaded now (in
+        # flight while the conv runs), stored after the first chunk's barrier
+        o_w = tl.arange(0, BW)
+        src_w = n + o_w
+        m_w = (o_w < KW - 1)[:, None] & m_c[None, :]
+        from_w = (src_w < KW - 1)[:, None]
+        w_old = tl.load(conv_row + ch[None, :] * stride_cc + src_w[:, None], mask=m_w & from_w, other=0.0)
+        w_x = tl.load(xl_row + (src_w - (KW - 1))[:, None] * stride_lt + ch[None, :], mask=m_w & ~from_w, other=0.0)
+        # only the first chunk's taps reach back into the window, so its barrier (below) orders every
+        # read of old values before every overwrite
+        tl.static_assert(BT >= KW - 1)
+    else:
+        n = 0
+    # gate parameters of the value head (q / k programs read head 0's and never use them: no scalar masks)
+    h_gate = tl.maximum(i_h, 0)
+    neg_A = -tl.exp(tl.load(A_log + h_gate).to(tl.float32))
+    dt_b = tl.load(dt_bias + h_gate).to(tl.float32)
     for t0 in range(0, T, BT):
         o_t = t0 + tl.arange(0, BT)
         m_t = o_t < T
         tok = i_n * T + o_t  # (BT,) flat token index
-        v = _conv_silu_tile(
-            x_row, conv_row, w, 2 * HK * DK + i_h * DV + o_v, m_v, o_t, T, stride_xt, stride_cc, KW, BT, BDV
-        )
-        tl.store(v_out + (tok[:, None] * H + i_h) * DV + o_v[None, :], v, mask=m_t[:, None] & m_v[None, :])
-        if first_of_key_head:
-            q = _conv_silu_tile(x_row, conv_row, w, i_hk * DK + o_k, m_k, o_t, T, stride_xt, stride_cc, KW, BT, BK)
-            k = _conv_silu_tile(
-                x_row, conv_row, w, HK * DK + i_hk * DK + o_k, m_k, o_t, T, stride_xt, stride_cc, KW, BT, BK
+        if FOLD:  # this chunk's rows of the pending tokens' k / g (q programs: none; i_h < 0 is masked)
+            p_k = (tok[:, None] * HK + i_hk) * DK + o_c[None, :]
+            m_pk = (o_t < n_k)[:, None] & m_c[None, :]
+            old_k = tl.load(k_out + p_k, mask=m_pk, other=0.0)
+            old_g = tl.load(g_out + tok * H + h_gate, mask=o_t < n_g, other=0.0)
+        # SiLU(causal conv): token t reads columns t .. t+KW-1 of [window (KW-1) | x_0 .. x_{T-1}];
+        # window column c is column n + c of [conv state | previous x] (n = 0 without a pending fold)
+        acc = tl.zeros([BT, BC], dtype=tl.float32)
+        for jj in tl.static_range(KW):
+            col = o_t + jj
+            in_window = col < KW - 1
+            # the block's own inputs first: they do not wait for the pending count n
+            new = tl.load(
+                x_row + (col - (KW - 1))[:, None] * stride_xt + ch[None, :],
+                mask=(~in_window & m_t)[:, None] & m_c[None, :],
+                other=0.0,
             )
-            q = q * tl.math.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None] / SQRT_DK
-            k = k * tl.math.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-            p_qk = (tok[:, None] * HK + i_hk) * DK + o_k[None, :]
-            m_qk = m_t[:, None] & m_k[None, :]
-            tl.store(q_out + p_qk, q, mask=m_qk)
-            tl.store(k_out + p_qk, k, mask=m_qk)
-        # g = -exp(A_log) · softplus(a + dt_bias): torch's softplus (threshold 20) with an accurate
-        # log1p(e) = log(1+e) · e / ((1+e) − 1) (plain log(1+e) loses the small decays' digits)
-        z = tl.load(a + i_n * stride_an + o_t * stride_at + i_h, mask=m_t, other=0.0).to(tl.float32) + dt_b
-        e = tl.exp(tl.minimum(z, 20.0))  # clamped: no inf / nan in the branch tl.where drops
-        one_e = 1.0 + e
-        soft = tl.log(one_e) * (e / tl.where(one_e == 1.0, 1.0, one_e - 1.0))
-        g = neg_A * tl.where(z > 20.0, z, tl.where(one_e == 1.0, e, soft))
-        tl.store(g_out + tok * H + i_h, g, mask=m_t)
-        # β = sigmoid(b) rounded to the model dtype, as the reference computes it there
-        b_t = tl.load(b + i_n * stride_bn + o_t * stride_bt + i_h, mask=m_t, other=0.0).to(tl.float32)
-        beta = (1.0 / (1.0 + tl.exp(-b_t))).to(b.dtype.element_ty).to(tl.float32)
-        tl.store(beta_out + tok * H + i_h, beta, mask=m_t)
+            src = n + col
+            old = tl.load(
+                conv_row + ch[None, :] * stride_cc + src[:, None],
+                mask=(in_window & (src < KW - 1))[:, None] & m_c[None, :],
+                other=0.0,
+            )
+            if FOLD:
+                prev = tl.load(
+                    xl_row + (src - (KW - 1))[:, None] * stride_lt + ch[None, :],
+                    mask=(in_window & (src >= KW - 1))[:, None] & m_c[None, :],
+                    other=0.0,
+                )
+                old = tl.where((src < KW - 1)[:, None], old, prev.to(old.dtype))
+            w_j = tl.load(w + ch * KW + jj, mask=m_c, other=0.0).to(tl.float32)
+            acc += w_j[None, :] * (old.to(tl.float32) + new.to(tl.float32))
+        # the reference convolves in the model dtype and applies SiLU there: round twice as it does
+        y = acc.to(x_row.dtype.element_ty).to(tl.float32)
+        y = y / (1.0 + tl.exp(-y))
+        y = y.to(x_row.dtype.element_ty).to(tl.float32)
+        if FOLD:
+            # every thread's reads of the old window, the previous x and the logged k / g are done
+            # before any thread of this program overwrites them (they hold different elements)
+            tl.debug_barrier()
+            tl.store(stash_k + p_k, old_k, mask=m_pk)
+            tl.store(stash_g + tok * H + h_gate, old_g, mask=o_t < n_g)
+            if (t0 == 0) & (n > 0):  # n = 0: the window stays as it is
+                window = tl.where(from_w, w_old, w_x.to(w_old.dtype))
+                tl.store(conv_row + ch[None, :] * stride_cc + o_w[:, None], window, mask=m_w)
+        if STORE_X:  # the last tap's `new` is x_t itself: the log keeps the block for the next roll
+            tl.store(xl_row + o_t[:, None] * stride_lt + ch[None, :], new, mask=m_t[:, None] & m_c[None, :])
+        m_tc = m_t[:, None] & m_c[None, :]
+        if is_v:
+            tl.store(v_out + (tok[:, None] * H + i_h) * DV + o_c[None, :], y, mask=m_tc)
+            # g = -exp(A_log) · softplus(a + dt_bias): torch's softplus (threshold 20) with an accurate
+            # log1p(e) = log(1+e) · e / ((1+e) − 1) (plain log(1+e) loses the small decays' digits)
+            z = tl.load(a + i_n * stride_an + o_t * stride_at + i_h, mask=m_t, other=0.0).to(tl.float32) + dt_b
+            e = tl.exp(tl.minimum(z, 20.0))  # clamped: no inf / nan in the branch tl.where drops
+            one_e = 1.0 + e
+            soft = tl.log(one_e) * (e / tl.where(one_e == 1.0, 1.0, one_e - 1.0))
+            g = neg_A * tl.where(z > 20.0, z, tl.where(one_e == 1.0, e, soft))
+            tl.store(g_out + tok * H + i_h, g, mask=m_t)
+            # β = sigmoid(b) rounded to the model dtype, as the reference computes it there
+            b_t = tl.load(b + i_n * stride_bn + o_t * stride_bt + i_h, mask=m_t, other=0.0).to(tl.float32)
+            beta = (1.0 / (1.0 + tl.exp(-b_t))).to(b.dtype.element_ty).to(tl.float32)
+            tl.store(beta_out + tok * H + i_h, beta, mask=m_t)
+        else:
+            y = y * tl.math.rsqrt(tl.sum(y * y, 1) + 1e-6)[:, None]
+            p_qk = (tok[:, None] * HK + i_hk) * DK + o_c[None, :]
+            if j < HK:
+                tl.store(q_out + p_qk, y / SQRT_DK, mask=m_tc)
+            else:
+                tl.store(k_out + p_qk, y, mask=m_tc)
 
 
 @triton.jit
@@ -143,18 +217,33 @@ def _token_rows(q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, t, T, o_k, o_v,
 
 
 @triton.jit
+def _fold_rows(stash_k, stash_g, log_u, i_n, i_h, i_hk, t, T, o_k, o_v, m_k, m_v, HK, H, DK, DV):
+    """Pending token t's g (scalar), k (BK,) and u (BV,) for value head i_h, clamped to T−1 like
+    :func:`_token_rows` (the prefetch past the last pending token reads a row it never uses)."""
+    tok = i_n * T + tl.minimum(t, T - 1)
+    g = tl.load(stash_g + tok * H + i_h)
+    k = tl.load(stash_k + (tok * HK + i_hk) * DK + o_k, mask=m_k, other=0.0)
+    u = tl.load(log_u + (tok * H + i_h) * DV + o_v, mask=m_v, other=0.0)
+    return g, k, u
+
+
+@triton.jit
 def gdn_recur_kernel(
     q_in,  # (N, T, HK, DK) fp32, from gdn_prep_kernel
     k_in,  # (N, T, HK, DK) fp32
     v_in,  # (N, T, H, DV) fp32
     g_in,  # (N, T, H) fp32
     beta_in,  # (N, T, H) fp32
-    rec,  # (N, H, DK, DV) fp32 recurrent state, (H, DK, DV) contiguous, read only
+    rec,  # (N, H, DK, DV) fp32 recurrent state, (H, DK, DV) contiguous; read only unless FOLD
     o,  # (N, T, H, DV) out, model dtype, contiguous
-    log_u,  # (N, T, H, DV) fp32 out (ReplaySSM)
+    log_u,  # (N, T, H, DV) fp32 out (ReplaySSM); FOLD: holds the pending tokens' u until overwritten
     states,  # (N, T, H, DK, DV) fp32 out (native rollback)
+    pend,  # (N, P) int32 pending counts, P = H·NV (FOLD: column i_h·NV + i_v is this program's)
+    stash_k,  # (N, T, HK, DK) fp32 (FOLD): the pending tokens' k, from gdn_prep_kernel
+    stash_g,  # (N, T, H) fp32 (FOLD): their g
     T,
     stride_rn,
+    stride_pn,
     HK: tl.constexpr,
     H: tl.constexpr,
     DK: tl.constexpr,
@@ -162,6 +251,7 @@ def gdn_recur_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     NATIVE: tl.constexpr,
+    FOLD: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -173,28 +263,57 @@ def gdn_recur_kernel(
     m_k = o_k < DK
     m_v = o_v < DV
     m_h = m_k[:, None] & m_v[None, :]
+    p_rec = rec + i_n * stride_rn + i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
     # masked lanes (BK > DK, BV > DV) load 0 and stay 0 through the recurrence
-    h = tl.load(rec + i_n * stride_rn + i_h * DK * DV + o_k[:, None] * DV + o_v[None, :], mask=m_h, other=0.0)
-    q_t, k_t, v_t, g_t, beta_t = _token_rows(
+    h = tl.load(p_rec, mask=m_h, other=0.0)
+    # every load that depends on nothing is issued up front, so their latencies overlap: the pending
+    # count, the first two pending tokens' rows (stale rows if fewer are pending: loaded, never used)
+    # and the first two block tokens' rows (the prep kernel's output; needed after the fold)
+    if FOLD:
+        p_n = pend + i_n * stride_pn + i_h * tl.num_programs(0) + i_v
+        n = tl.load(p_n)
+        fg_0, fk_0, fu_0 = _fold_rows(stash_k, stash_g, log_u, i_n, i_h, i_hk, 0, T, o_k, o_v, m_k, m_v, HK, H, DK, DV)
+        fg_1, fk_1, fu_1 = _fold_rows(stash_k, stash_g, log_u, i_n, i_h, i_hk, 1, T, o_k, o_v, m_k, m_v, HK, H, DK, DV)
+    q_0, k_0, v_0, g_0, beta_0 = _token_rows(
         q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, 0, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
     )
+    q_1, k_1, v_1, g_1, beta_1 = _token_rows(
+        q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, 1, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
+    )
+    if FOLD:
+        if n > 0:
+            # the deferred commit: gdn_replay_kernel's fold on the tile in registers, same operations in
+            # the same order (bit for bit the state it would have written); two tokens prefetched
+            for t in range(0, n):
+                fg_2, fk_2, fu_2 = _fold_rows(
+                    stash_k, stash_g, log_u, i_n, i_h, i_hk, t + 2, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
+                )
+                h = h * tl.exp(fg_0)
+                h = h + fk_0[:, None] * fu_0[None, :]
+                fg_0, fk_0, fu_0 = fg_1, fk_1, fu_1
+                fg_1, fk_1, fu_1 = fg_2, fk_2, fu_2
+            tl.store(p_rec, h, mask=m_h)  # the committed state, materialised once
+            tl.store(p_n, n * 0)  # consumed: a second verify without a commit folds nothing
+        # the fold's reads of the old u are done in every thread before the new block's u is stored
+        tl.debug_barrier()
     for t in range(T):
-        # the next token's rows first: their loads are in flight while this token's step runs
-        q_n, k_n, v_n, g_n, beta_n = _token_rows(
-            q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, t + 1, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
+        # the rows two tokens ahead first: their loads are in flight while this token's step runs
+        q_2, k_2, v_2, g_2, beta_2 = _token_rows(
+            q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, t + 2, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
         )
-        # the recurrence, in single-token decode order (replay repeats the first and third lines)
-        h = h * tl.exp(g_t)
-        u_t = (v_t - tl.sum(h * k_t[:, None], 0)) * beta_t
-        h = h + k_t[:, None] * u_t[None, :]
-        out = tl.sum(h * q_t[:, None], 0)
+        # the recurrence, in single-token decode order (the fold repeats the first and third lines)
+        h = h * tl.exp(g_0)
+        u_t = (v_0 - tl.sum(h * k_0[:, None], 0)) * beta_0
+        h = h + k_0[:, None] * u_t[None, :]
+        out = tl.sum(h * q_0[:, None], 0)
         tok = i_n * T + t
         tl.store(o + (tok * H + i_h) * DV + o_v, out.to(o.dtype.element_ty), mask=m_v)
         if NATIVE:
             tl.store(states + ((tok * H + i_h) * DK + o_k[:, None]) * DV + o_v[None, :], h, mask=m_h)
         else:
             tl.store(log_u + (tok * H + i_h) * DV + o_v, u_t, mask=m_v)
-        q_t, k_t, v_t, g_t, beta_t = q_n, k_n, v_n, g_n, beta_n
+        q_0, k_0, v_0, g_0, beta_0 = q_1, k_1, v_1, g_1, beta_1
+        q_1, k_1, v_1, g_1, beta_1 = q_2, k_2, v_2, g_2, beta_2
 
 
 def launch_verify(
@@ -210,22 +329,28 @@ def launch_verify(
     prep,
     log_u,
     states,
+    x_log,
+    fold,
     *,
     num_k_heads,
     native,
+    store_x,
     block_v,
     block_t,
     num_warps,
     prep_warps,
 ):
-    """gdn_prep_kernel on grid (N, H), then gdn_recur_kernel on grid (d_v / BV, N·H). Tensors as in
+    """gdn_prep_kernel on grid (N, 2·Hk + H), then gdn_recur_kernel on grid (d_v / BV, N·H). Tensors as in
     the kernels (conv_weight as (C, K)); prep = (q, k, v, g, β) fp32 buffers of the prep kernel's
-    output shapes; the unused output of the other mode may be any tensor (never touched)."""
+    output shapes; x_log the log's x (read by the fold, written when store_x); fold = (pend, stash_k,
+    stash_g), zero counts when nothing is pending; the unused output of the other mode may be any
+    tensor (never touched)."""
     N, T, _ = x.shape
     H, DK, DV = rec_state.shape[1:]
+    KW = conv_weight.shape[1]
     q, k, v, g, beta = prep
-    BK = triton.next_power_of_2(DK)
-    gdn_prep_kernel[(N, H)](
+    pend, stash_k, stash_g = fold
+    gdn_prep_kernel[(N, 2 * num_k_heads + H)](
         x,
         conv_state,
         conv_weight,
@@ -238,6 +363,10 @@ def launch_verify(
         v,
         g,
         beta,
+        x_log,
+        pend,
+        stash_k,
+        stash_g,
         T,
         x.stride(0),
         x.stride(1),
@@ -247,15 +376,20 @@ def launch_verify(
         a.stride(1),
         b.stride(0),
         b.stride(1),
+        x_log.stride(0),
+        x_log.stride(1),
+        pend.stride(0),
         HK=num_k_heads,
         H=H,
         DK=DK,
         DV=DV,
-        KW=conv_weight.shape[1],
-        BK=BK,
-        BDV=triton.next_power_of_2(DV),
+        KW=KW,
+        BC=triton.next_power_of_2(max(DK, DV)),
         BT=block_t,
+        BW=triton.next_power_of_2(max(KW - 1, 1)),
         SQRT_DK=float(DK) ** 0.5,
+        FOLD=True,  # always: see gdn_verify_triton (one compiled variant)
+        STORE_X=store_x,
         num_warps=prep_warps,
         enable_fp_fusion=False,  # round as the reference does (no fused multiply-adds)
     )
@@ -269,15 +403,20 @@ def launch_verify(
         o,
         log_u,
         states,
+        pend,
+        stash_k,
+        stash_g,
         T,
         rec_state.stride(0),
+        pend.stride(0),
         HK=num_k_heads,
         H=H,
         DK=DK,
         DV=DV,
-        BK=BK,
+        BK=triton.next_power_of_2(DK),
         BV=block_v,
         NATIVE=native,
+        FOLD=True,  # always: see gdn_verify_triton (one compiled variant)
         num_warps=num_warps,
         enable_fp_fusion=False,  # the fold must round as verify does: see gdn_replay/kernel.py
     )
