@@ -123,24 +123,31 @@ def random_drafter(target, *, block_size: int, num_layers: int, seed: int):
     return drafter.to(weight.dtype).eval()
 
 
-def random_pair(
-    shape: str, *, dtype, device, block_size: int, drafter_layers: int, batch: int, prompt_tokens: int, seed: int
-):
-    """HF model with its own random init at ``shape``, the runtime target over its weights, a random drafter."""
+def random_model(shape: str, *, dtype, device, seed: int):
+    """The HF causal LM of a named shape with its own random init, built on ``device`` in ``dtype``,
+    frozen (eval, no gradients). Also the target of the training throughput benchmark
+    (``dflash2.training.bench_throughput``)."""
     from transformers import AutoModelForCausalLM
-
-    from dflash2.runtime import RuntimeDrafter
-    from dflash2.runtime.models import from_hf_model
 
     config = shape_config(shape)
     torch.manual_seed(seed)
     with torch.device(device):
-        hf = AutoModelForCausalLM.from_config(config, dtype=dtype).eval().requires_grad_(False)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval().requires_grad_(False)
+
+
+def random_pair(
+    shape: str, *, dtype, device, block_size: int, drafter_layers: int, batch: int, prompt_tokens: int, seed: int
+):
+    """HF model with its own random init at ``shape``, the runtime target over its weights, a random drafter."""
+    from dflash2.runtime import RuntimeDrafter
+    from dflash2.runtime.models import from_hf_model
+
+    hf = random_model(shape, dtype=dtype, device=device, seed=seed)
     probe = from_hf_model(hf)  # to size the drafter; the taps are set once its layers are known
     drafter = random_drafter(probe, block_size=block_size, num_layers=drafter_layers, seed=seed + 1)
     probe.set_taps(drafter.config.target_layer_ids)
     g = torch.Generator().manual_seed(seed + 2)
-    prompts = torch.randint(0, config.vocab_size - 1, (batch, prompt_tokens), generator=g).tolist()
+    prompts = torch.randint(0, hf.config.vocab_size - 1, (batch, prompt_tokens), generator=g).tolist()
     return Pair(hf, probe, RuntimeDrafter(drafter, probe), prompts, f"random weights, shape={shape}", True)
 
 

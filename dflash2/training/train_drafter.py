@@ -125,20 +125,14 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict | None:
     total_steps = int(cfg.trainer.max_steps)
     if cfg.trainer.get("fast_dev_run"):
         total_steps = max(total_steps, 1)
-    module = DrafterTrainingModule(
+    module = training_module(
         drafter,
         target,
-        num_anchors=int(settings["num_anchors"]),
-        loss_gamma=float(settings["loss_gamma"]),
-        selector_loss_weight=float(settings["selector_loss_weight"]),
-        lr=float(settings["lr"]),
-        weight_decay=float(settings["weight_decay"]),
-        warmup_ratio=float(settings["warmup_ratio"]),
+        settings,
         total_steps=total_steps,
         seed=seed,
         target_id=str(target_dir),
-        selector_gold_injection=bool(settings.get("selector_gold_injection", False)),
-        loss_chunk_positions=loss_chunk,
+        loss_chunk=loss_chunk,
         attention=attention,
     )
     pad_id = (
@@ -261,6 +255,30 @@ def prepare_data(cfg: DictConfig, target_dir) -> dict:
     sizes = {"train": len(train_ds), "validation": len(val_ds), "heldout": len(heldout_ds), "seed": common["seed"]}
     log.info(f"data ready: {sizes} (cache {common['cache_dir'] / 'data'})")
     return sizes
+
+
+def training_module(
+    drafter, target, settings: dict, *, total_steps: int, seed: int, target_id: str, loss_chunk: int, attention: str
+) -> DrafterTrainingModule:
+    """The LightningModule that trains ``drafter`` with the ``drafter`` config group's ``settings`` (plain
+    dict); ``loss_chunk`` and ``attention`` as checked by preflight. The training throughput benchmark
+    (``dflash2.training.bench_throughput``) times the steps of the module built here."""
+    return DrafterTrainingModule(
+        drafter,
+        target,
+        num_anchors=int(settings["num_anchors"]),
+        loss_gamma=float(settings["loss_gamma"]),
+        selector_loss_weight=float(settings["selector_loss_weight"]),
+        lr=float(settings["lr"]),
+        weight_decay=float(settings["weight_decay"]),
+        warmup_ratio=float(settings["warmup_ratio"]),
+        total_steps=total_steps,
+        seed=seed,
+        target_id=target_id,
+        selector_gold_injection=bool(settings.get("selector_gold_injection", False)),
+        loss_chunk_positions=loss_chunk,
+        attention=attention,
+    )
 
 
 def fresh_drafter(config, settings: dict, seed: int) -> DFlashDrafter:

@@ -1,0 +1,617 @@
+"""`python -m dflash2.training.bench_throughput`: drafter training throughput and MFU on one device (issue 15).
+
+    python -m dflash2.training.bench_throughput --out bench.json                # Qwen3-8B shape on the GPU
+    python -m dflash2.training.bench_throughput --profile                       # + top-10 CUDA kernels of a step
+    python -m dflash2.training.bench_throughput --shape tiny --device cpu       # CPU smoke test, seconds
+
+Target: random weights at a named shape, built by ``dflash2.eval.speedup_setup.random_model`` (the
+shapes of ``python -m eval.speedup shape=...``): ``qwen3_8b`` (hidden 4096, 36 layers, 32 / 8 heads of
+128, MLP 12288, vocab 151,936) in bf16 on CUDA, frozen, taps at the default layers [1, 9, 17, 25, 33];
+``tiny`` for the CPU (fp32 there, as ``target.dtype=auto``). Step times of dense models do not depend
+on the weights' values. Drafter: the ``drafter`` config group of ``train.py`` (default ``dflash2``:
+local conv + selector), at the target's attention shape, ``--layers`` 5, block ``--block`` 16 and
+``--anchors`` 512 per sequence (the published recipe); sequences of ``--seq`` 3072 random tokens, the
+first ``--prompt-tokens`` (default half) unsupervised, the rest the response the anchors are drawn
+from; ``--rows`` sequences per step (default 2 at the 8B shape).
+
+What is timed is the training step of ``train.py``'s ``DrafterTrainingModule`` (built by
+``train_drafter.training_module`` from the composed drafter settings), in the order Lightning's
+automatic optimisation runs it: the batch copied to the device (what Lightning does with each loader
+batch; the stored taps too, for offline features), ``training_step`` (under bf16 autocast on CUDA, as
+``trainer.precision=bf16-mixed``; fp32 on the CPU, as ``trainer=cpu``), ``zero_grad``, backward,
+gradient-norm clipping at ``drafter.grad_clip``, AdamW and the scheduler step. Not timed: Lightning's
+loop itself (its logging into the result collection, callbacks, progress bar) and the data loader.
+
+Variants, one row each (``--attention``, ``--ce``, ``--features`` pick a subset):
+
+* attention ``flex`` (block-sparse FlexAttention, compiled) vs ``dense`` (SDPA over the bool mask):
+  ``drafter.attention``. Flex has no backward on the CPU and training refuses it there: those rows are
+  skipped with that note.
+* ``chunked`` CE through the LM head (``drafter.loss_chunk_positions`` = ``--chunk``, the config's 1024)
+  vs ``plain`` (``loss_chunk_positions=0``: the full (M, V) logits).
+* ``offline`` features (the taps computed once before any row by ``dflash2.data.features.sequence_features``,
+  the code of the offline feature writer, held in host memory and read by the step from the batch, as
+  ``data.features=offline`` does) vs ``online`` (a target forward in every step).
+
+Method: per row ``--warmup`` steps (compilation, autotuning), then ``--repeats`` repeats of ``--steps``
+steps, each repeat timed as a whole with CUDA events (``perf_counter`` after a synchronize on the CPU);
+a repeat's time / its steps is one sample, and the table gives the median sample (min-max). Every row
+starts from the same drafter weights and a fresh optimiser, at step 0, so every row draws the same
+anchors (keyed by (seed, step, row) as in training). A row that runs out of GPU memory is reported as
+OOM and the next one runs; so is any other error, with its first line.
+
+Tokens: *drafted* tokens = rows × valid anchors × (B − 1) per step (the supervised block positions the
+loss is taken over), and *sequence* tokens = rows × seq per step. Peak memory: ``torch.cuda.max_memory_allocated``
+over the row's steps. MFU (formula in full in ``dflash2.training.throughput_flops`` and printed with the
+table): model FLOPs per step / median step time / ``--peak-tflops`` (default on CUDA: the H200's
+989.4 dense bf16 TFLOP/s; none on the CPU). Model FLOPs per step = drafter linear layers (6 × weights ×
+rows multiplied; 4 × for ``fc`` and the selector's projection, whose inputs need no gradient) +
+drafter attention (12 · H·h · layers · *attended* (query, key) pairs: only those the block mask allows,
+for flex and dense alike) + the frozen LM head (4 · d·V · drafted positions: forward and the gradient
+to the hidden states, no weight gradient) + for online rows the target forward (2 × decoder linear
+weights × sequence tokens + causal attention). "MFU excl. target" drops the last term from the
+numerator only. ``--profile``: the top-10 CUDA kernels of one more step of the headline variant
+(flex, chunked, offline; on the CPU the first row that ran, by CPU operator).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import shlex
+import statistics
+import sys
+import time
+import warnings
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from dflash2.drafter.objective import row_anchor_generator, sample_anchors
+from dflash2.errors import DFlash2Error
+from dflash2.training.throughput_flops import StepFlops, step_flops
+from dflash2.training.throughput_report import (
+    H200_BF16_DENSE_FLOPS,
+    MFU_FORMULA,
+    column_lines,
+    environment,
+    flops_lines,
+    markdown_table,
+    profile_table,
+    top_kernels,
+)
+
+log = logging.getLogger(__name__)
+
+PROG = "python -m dflash2.training.bench_throughput"
+SHAPES = ("qwen3_8b", "tiny")
+# Per shape: sequences per step, sequence length, block, anchors per sequence, drafter layers, and the
+# warm-up / timed steps / repeats. qwen3_8b: the published recipe (5 layers, block 16, 512 anchors, seq
+# 3072). 2 rows, by estimate (not yet measured): ~35 GB held throughout (bf16 target 16 GB; the 1.17 B
+# drafter parameters' fp32 weights, gradients and AdamW moments 19 GB) + activations + the plain CE's
+# (M, V) logits, their fp32 copies and gradient (~40 GB at M = 15,360) inside the H200's 141 GB; ~19
+# steps of 0.4-1 s per row. tiny: seconds on a CPU.
+PRESETS = {
+    "qwen3_8b": dict(rows=2, seq=3072, block=16, anchors=512, layers=5, warmup=3, steps=5, repeats=3),
+    "tiny": dict(rows=2, seq=64, block=4, anchors=8, layers=5, warmup=1, steps=2, repeats=2),
+}
+ATTENTION, CE, FEATURES = ("flex", "dense"), ("chunked", "plain"), ("offline", "online")
+HEADLINE = ("flex", "chunked", "offline")
+FLEX_ON_CPU = "flex needs CUDA: FlexAttention has no backward on the CPU, so training refuses it there"
+_LOG_WARNING = r"You are trying to `self.log\(\)`"  # training_step logs; no Trainer here to take the values
+
+
+@dataclass(frozen=True)
+class Variant:
+    attention: str  # flex | dense: drafter.attention
+    ce: str  # chunked | plain: drafter.loss_chunk_positions = the chunk, or 0
+    features: str  # offline | online: data.features
+
+    @property
+    def name(self) -> str:
+        return f"{self.attention} / {self.ce} CE / {self.features}"
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return self.attention, self.ce, self.features
+
+
+def variants(attention=ATTENTION, ce=CE, features=FEATURES) -> list[Variant]:
+    """Every combination, the headline one (flex, chunked, offline) first."""
+    return [Variant(a, c, f) for a in attention for c in ce for f in features]
+
+
+# ----------------------------------------------------------------------------------------- set-up
+def drafter_settings(option: str, overrides: dict) -> dict:
+    """The ``drafter`` config group as ``python train.py drafter=<option>`` composes it, plus ``overrides``
+    (``drafter.<key>=<value>``), as a plain dict."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from dflash2.training.build_target import to_plain
+    from dflash2.training.cli import CONFIG_DIR
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            cfg = compose("train", overrides=[f"drafter={option}", *(f"drafter.{k}={v}" for k, v in overrides.items())])
+    finally:
+        GlobalHydra.instance().clear()
+    return to_plain(cfg.drafter)
+
+
+def random_target(shape: str, device: torch.device, seed: int):
+    """A frozen TargetModel of random weights at ``shape``, in the dtype ``target.dtype=auto`` picks
+    (bf16 on CUDA, fp32 on the CPU), with the default taps."""
+    from dflash2.eval.speedup_setup import random_model
+    from dflash2.target import TargetModel
+    from dflash2.target_dtype import resolve_target_dtype
+
+    dtype = resolve_target_dtype("auto", device)
+    return TargetModel(random_model(shape, dtype=dtype, device=device, seed=seed), name_or_path=f"random:{shape}")
+
+
+def synthetic_rows(rows: int, seq: int, prompt_tokens: int, vocab: int, mask_id: int, seed: int) -> list[dict]:
+    """Rows as a regenerated split holds them: input_ids (seq,) random ids (never ``mask_id``), loss_mask
+    0 on the first ``prompt_tokens`` (the prompt) and 1 on the rest (the response)."""
+    if not 1 <= prompt_tokens <= seq - 2:
+        raise DFlash2Error(f"--prompt-tokens={prompt_tokens} must leave a response: 1 <= it <= --seq - 2 = {seq - 2}")
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab - 1, (rows, seq), generator=g)
+    ids[ids >= mask_id] += 1  # skip the mask id, stay below vocab
+    mask = [0] * prompt_tokens + [1] * (seq - prompt_tokens)
+    return [{"input_ids": ids[i].tolist(), "loss_mask": list(mask)} for i in range(rows)]
+
+
+def offline_batch(target, rows: list[dict]) -> dict[str, torch.Tensor]:
+    """The CPU batch of ``data.features=offline``: the rows' taps from ``sequence_features`` (what
+    ``python -m dflash2.data.features`` stores), collated as the training loader does."""
+    from dflash2.data.features import sequence_features
+    from dflash2.training.drafter_data import collate_sequences
+
+    feats = sequence_features(target, [r["input_ids"] for r in rows], top_k=0, batch_size=len(rows))
+    batch = collate_sequences([{**r, "target_taps": f["taps"]} for r, f in zip(rows, feats)], pad_id=0)
+    if target.model.device.type == "cuda":
+        torch.cuda.empty_cache()  # the job's logits are gone: give their blocks back before the rows
+    return batch
+
+
+@dataclass
+class Bench:
+    """What every row shares: the target, the drafter (its initial weights on the CPU), the settings and
+    the CPU batches (``offline`` carries ``target_taps``)."""
+
+    target: object
+    drafter: torch.nn.Module
+    initial_state: dict
+    settings: dict
+    batches: dict
+    device: torch.device
+    seed: int
+    chunk: int
+
+    @property
+    def rows(self) -> int:
+        return self.batches["online"]["input_ids"].shape[0]
+
+    @property
+    def seq(self) -> int:
+        return self.batches["online"]["input_ids"].shape[1]
+
+
+def build_bench(a: argparse.Namespace, device: torch.device) -> Bench:
+    """The target, the drafter the settings describe, and the batches, for every row of the run."""
+    from dflash2.drafter.from_target import drafter_config_for_target
+    from dflash2.training.drafter_data import collate_sequences
+    from dflash2.training.train_drafter import fresh_drafter
+
+    target = random_target(a.shape, device, a.seed)
+    text = target.text_config
+    heads = int(text.num_attention_heads)
+    overrides = {
+        "num_hidden_layers": a.layers,
+        "block_size": a.block,
+        "num_anchors": a.anchors,
+        # the published drafters use the target's attention shape (the group's 4 / 2 heads are the tiny one's)
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(text.num_key_value_heads),
+        "head_dim": int(getattr(text, "head_dim", None) or target.hidden_size // heads),
+        "mask_token_id": target.vocab_size - 1,  # random target, no tokenizer: the last id, never in the data
+    }
+    settings = drafter_settings(a.drafter, overrides)
+    config = drafter_config_for_target(settings, target)
+    drafter = fresh_drafter(config, settings, a.seed)
+    initial = {k: v.clone() for k, v in drafter.state_dict().items()}  # on the CPU: every row starts here
+    drafter.to(device)
+    rows = synthetic_rows(a.rows, a.seq, a.prompt_tokens, target.vocab_size, config.mask_token_id, a.seed)
+    batches = {"online": collate_sequences(rows, pad_id=0), "offline": offline_batch(target, rows)}
+    chunk = a.chunk if a.chunk is not None else int(settings.get("loss_chunk_positions") or 1024)
+    return Bench(target, drafter, initial, settings, batches, device, a.seed, chunk)
+
+
+# ------------------------------------------------------------------------------------------ the step
+class StepRunner:
+    """One variant's training module, optimiser and scheduler; ``step`` is one optimizer step as
+    Lightning's automatic optimisation runs it (module docstring)."""
+
+    def __init__(self, bench: Bench, variant: Variant, total_steps: int):
+        from dflash2.training.preflight import check_attention
+        from dflash2.training.train_drafter import training_module
+
+        attention = check_attention(variant.attention, str(bench.device))  # flex on the CPU: refused, as train.py
+        self.bench, self.device = bench, bench.device
+        bench.drafter.load_state_dict(bench.initial_state)  # every row from the same weights
+        self.module = training_module(
+            bench.drafter,
+            bench.target,
+            bench.settings,
+            total_steps=total_steps,
+            seed=bench.seed,
+            target_id=str(bench.target.name_or_path),
+            loss_chunk=bench.chunk if variant.ce == "chunked" else 0,
+            attention=attention,
+        ).to(self.device)
+        self.module.train()
+        opt = self.module.configure_optimizers()
+        self.optimizer, self.scheduler = opt["optimizer"], opt["lr_scheduler"]["scheduler"]
+        self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self.clip = float(bench.settings.get("grad_clip") or 0.0)
+        # trainer=gpu is bf16-mixed (autocast around training_step), trainer=cpu 32-true
+        cuda = self.device.type == "cuda"
+        self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else nullcontext
+        self.cpu_batch = bench.batches[variant.features]
+
+    def step(self, step: int) -> None:
+        rows = self.cpu_batch["input_ids"].shape[0]
+        keys = torch.tensor([[step, r] for r in range(rows)], dtype=torch.long)  # (N, 2): (step, global row)
+        batch = {k: v.to(self.device) for k, v in {**self.cpu_batch, "anchor_keys": keys}.items()}
+        with self.autocast():
+            loss = self.module.training_step(batch, step)
+        self.optimizer.zero_grad(set_to_none=True)  # Lightning zeroes after training_step, before backward
+        loss.backward()
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        self.optimizer.step()
+        self.scheduler.step()
+
+    def close(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)  # no gradients of this row in the next one's memory
+        self.module = self.optimizer = self.scheduler = self.params = None
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_seconds(run, device: torch.device) -> float:
+    """Wall time of ``run()``: CUDA events on a GPU, perf_counter after a synchronize elsewhere."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    synchronize(device)
+    t0 = time.perf_counter()
+    run()
+    synchronize(device)
+    return time.perf_counter() - t0
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built so far in this process (flex attention and its block masks)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def step_anchors(bench: Bench, steps: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The anchors (N, A) and validity (N, A) each step drew: the training step's own draw, repeated."""
+    mask = bench.batches["online"]["loss_mask"]
+    out = []
+    for s in steps:
+        generators = [row_anchor_generator(bench.seed, s, r) for r in range(mask.shape[0])]
+        out.append(sample_anchors(mask, int(bench.settings["num_anchors"]), generators))
+    return out
+
+
+def mean_flops(bench: Bench, variant: Variant, steps: list[int]) -> tuple[StepFlops, float]:
+    """Model FLOPs per step (the mean over ``steps``, each on its own anchors) and drafted tokens per step."""
+    config = bench.drafter.config
+    text = bench.target.text_config if variant.features == "online" else None
+    parts, drafted = [], []
+    for anchors, valid in step_anchors(bench, steps):
+        f = step_flops(
+            config, rows=bench.rows, context_len=bench.seq, anchors=anchors, anchor_valid=valid, target_text_config=text
+        )
+        parts.append(f)
+        drafted.append(int(valid.sum()) * (config.block_size - 1))
+    n = len(parts)
+    mean = StepFlops(*(round(sum(getattr(p, k) for p in parts) / n) for k in StepFlops.__dataclass_fields__))
+    return mean, sum(drafted) / n
+
+
+def measure(bench: Bench, variant: Variant, a: argparse.Namespace, peak: float | None, profile: bool) -> dict:
+    """Warm up, time ``a.repeats`` × ``a.steps`` steps, count the FLOPs: the row of ``variant``."""
+    device = bench.device
+    total = a.warmup + a.repeats * a.steps + (1 if profile else 0)
+    runner = StepRunner(bench, variant, total)
+    try:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        step = 0
+        warm_times, graphs_before = [], compiled_graphs()
+        for _ in range(a.warmup):
+            warm_times.append(timed_seconds(lambda s=step: runner.step(s), device))
+            step += 1
+        graphs_warm = compiled_graphs()
+        samples, timed = [], []
+        for _ in range(a.repeats):
+            first = step
+
+            def run(first=first):
+                for s in range(first, first + a.steps):
+                    runner.step(s)
+
+            samples.append(timed_seconds(run, device) / a.steps)
+            timed += range(first, first + a.steps)
+            step += a.steps
+        recompiled = compiled_graphs() - graphs_warm
+        peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        prof = profile_one_step(runner, step, device) if profile else None
+    finally:
+        runner.close()
+    flops, drafted = mean_flops(bench, variant, timed)
+    med = statistics.median(samples)
+    seq_tokens = bench.rows * bench.seq
+    row = {
+        "variant": variant.name,
+        "attention": variant.attention,
+        "ce": variant.ce,
+        "loss_chunk_positions": bench.chunk if variant.ce == "chunked" else 0,
+        "features": variant.features,
+        "status": "ok",
+        "step_ms": {"median": med * 1e3, "min": min(samples) * 1e3, "max": max(samples) * 1e3},
+        "step_ms_samples": [s * 1e3 for s in samples],
+        "warmup_step_ms": [t * 1e3 for t in warm_times],
+        "compiled_graphs": {"warmup": graphs_warm - graphs_before, "timed": recompiled},
+        "drafted_tokens_per_step": drafted,
+        "sequence_tokens_per_step": seq_tokens,
+        "drafted_tokens_per_s": drafted / med,
+        "sequence_tokens_per_s": seq_tokens / med,
+        "peak_memory_gib": peak_mem,
+        "flops_per_step": flops.as_dict(),
+        "model_tflops_per_s": flops.total / med / 1e12,
+        "mfu": None if peak is None else flops.total / med / peak,
+        "mfu_excl_target": None if peak is None else flops.excluding_target / med / peak,
+    }
+    if recompiled:
+        row["note"] = f"{recompiled} graphs compiled during the timed steps: raise --warmup"
+    if prof is not None:
+        row["profile"] = prof
+    return row
+
+
+def profile_one_step(runner: StepRunner, step: int, device: torch.device) -> dict:
+    """torch.profiler over one more step: its top-10 CUDA kernels (CPU operators on the CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        runner.step(step)
+        synchronize(device)
+        wall = time.perf_counter() - t0
+    return {**top_kernels(prof, device.type), "step_ms": wall * 1e3}
+
+
+# ------------------------------------------------------------------------------------ rows, guarded
+def free_memory(bench: Bench) -> None:
+    """What a failed row may have left: gradients on the shared drafter, cached allocator blocks."""
+    bench.drafter.zero_grad(set_to_none=True)
+    gc.collect()
+    if bench.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def guarded_row(bench: Bench, variant: Variant, measure_fn) -> dict:
+    """``measure_fn()``'s row, or a row saying why there is none: ``skipped`` (flex refused on the CPU),
+    ``OOM`` (torch.OutOfMemoryError: memory is freed and the next row runs) or ``error`` (its first line)."""
+    failure = None
+    try:
+        return measure_fn()
+    except torch.OutOfMemoryError as e:
+        failure = ("OOM", _first_line(e))
+    except DFlash2Error as e:
+        if variant.attention == "flex" and bench.device.type != "cuda":  # check_attention's refusal
+            failure = ("skipped", FLEX_ON_CPU)
+        else:
+            failure = ("error", _first_line(e))
+    except Exception as e:  # a compile failure of one variant must not lose the rows already measured
+        log.exception(f"{variant.name} failed")
+        failure = ("error", f"{type(e).__name__}: {_first_line(e)}")
+    # outside the except blocks: the exception and the frames (tensors) it held are released by now
+    free_memory(bench)
+    status, note = failure
+    return {
+        "variant": variant.name,
+        "attention": variant.attention,
+        "ce": variant.ce,
+        "features": variant.features,
+        "status": status,
+        "note": note,
+    }
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def _choices(value: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    picked = tuple(v.strip() for v in value.split(",") if v.strip())
+    bad = [v for v in picked if v not in allowed]
+    if bad or not picked:
+        raise DFlash2Error(f"{flag}={value!r}: pick from {','.join(allowed)}")
+    return tuple(v for v in allowed if v in picked)  # the table's order
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Drafter training throughput (tokens/s) and MFU on one device: flex vs dense attention, "
+        "chunked vs plain CE, offline vs online target features (docs/TRAINING.md, 'Training throughput benchmark').",
+    )
+    p.add_argument("--shape", choices=SHAPES, default="qwen3_8b", help="the random target's shape")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--drafter", default="dflash2", help="the drafter config group option (configs/drafter/)")
+    for name, help_ in (
+        ("rows", "sequences per step"),
+        ("seq", "tokens per sequence"),
+        ("block", "block size B"),
+        ("anchors", "anchors (blocks) per sequence"),
+        ("layers", "drafter layers"),
+        ("warmup", "untimed steps per variant (flex compiles here)"),
+        ("steps", "timed steps per repeat"),
+        ("repeats", "timed repeats per variant"),
+    ):
+        p.add_argument(f"--{name}", type=int, default=None, help=f"{help_} (default: the shape's preset)")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="unsupervised prefix per sequence (default seq/2)")
+    p.add_argument("--chunk", type=int, default=None, help="positions per chunk of the chunked CE (default: config)")
+    p.add_argument("--attention", default=",".join(ATTENTION), help="subset of flex,dense")
+    p.add_argument("--ce", default=",".join(CE), help="subset of chunked,plain")
+    p.add_argument("--features", default=",".join(FEATURES), help="subset of offline,online")
+    p.add_argument(
+        "--peak-tflops", type=float, default=None, help="peak dense bf16 TFLOP/s for MFU (default: H200 989.4 on CUDA)"
+    )
+    p.add_argument("--profile", action="store_true", help="top-10 CUDA kernels of one step of the headline variant")
+    p.add_argument("--out", type=Path, default=None, help="write every row, the environment and the command as JSON")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
+    a = p.parse_args(argv)
+    for key, value in PRESETS[a.shape].items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    if a.prompt_tokens is None:
+        a.prompt_tokens = a.seq // 2
+    for key in ("rows", "seq", "block", "anchors", "layers", "steps", "repeats"):
+        if getattr(a, key) < 1:
+            raise DFlash2Error(f"--{key}={getattr(a, key)} must be >= 1")
+    if a.warmup < 0:
+        raise DFlash2Error(f"--warmup={a.warmup} must be >= 0")
+    a.selected = variants(
+        _choices(a.attention, ATTENTION, "--attention"),
+        _choices(a.ce, CE, "--ce"),
+        _choices(a.features, FEATURES, "--features"),
+    )
+    return a
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Measure every selected variant; print the table (and the profile); write --out. Returns the results."""
+    a = parse_args(argv)
+    if a.threads:  # a CPU shared with other jobs runs small matmuls far faster on one thread
+        torch.set_num_threads(a.threads)
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    peak = a.peak_tflops * 1e12 if a.peak_tflops else (H200_BF16_DENSE_FLOPS if device.type == "cuda" else None)
+    started = time.perf_counter()
+    bench = build_bench(a, device)
+    setup_s = time.perf_counter() - started
+    profile_key = HEADLINE
+    results = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "command": " ".join([PROG, shlex.join(sys.argv[1:] if argv is None else argv)]).strip(),
+        "environment": environment(device),
+        "settings": {
+            "shape": a.shape,
+            "rows": bench.rows,
+            "seq": bench.seq,
+            "prompt_tokens": a.prompt_tokens,
+            "block_size": a.block,
+            "anchors": a.anchors,
+            "drafter": a.drafter,
+            "drafter_layers": a.layers,
+            "drafter_params": sum(p.numel() for p in bench.drafter.parameters()),
+            "target_params": sum(p.numel() for p in bench.target.model.parameters()),
+            "target_dtype": str(bench.target.dtype).removeprefix("torch."),
+            "taps": list(bench.target.target_layer_ids),
+            "loss_chunk_positions": bench.chunk,
+            "warmup": a.warmup,
+            "steps": a.steps,
+            "repeats": a.repeats,
+            "seed": a.seed,
+            "setup_s": round(setup_s, 1),
+        },
+        "peak_flops": peak,
+        "mfu_formula": MFU_FORMULA,
+        "rows": [],
+    }
+    wanted_profile = a.profile
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_LOG_WARNING)
+        for variant in tqdm(a.selected, desc="variants", unit="row"):
+            # the headline row carries the profile; on the CPU (no flex) the first row that runs does
+            profile = wanted_profile and (variant.key == profile_key or device.type != "cuda")
+            t0 = time.perf_counter()
+            row = guarded_row(bench, variant, lambda v=variant, p=profile: measure(bench, v, a, peak, p))
+            row["row_s"] = round(time.perf_counter() - t0, 1)
+            if "profile" in row:
+                row["profile"]["variant"] = variant.name
+                results["profile"] = row.pop("profile")
+                wanted_profile = False
+            results["rows"].append(row)
+            if a.out is not None:  # after every row: a run stopped half-way keeps what it measured
+                write_json(a.out, results)
+    print(report_text(results))
+    return results
+
+
+def report_text(results: dict) -> str:
+    s = results["settings"]
+    parts = [
+        f"Drafter training throughput, {results['environment']['device_name']}, shape {s['shape']} (random weights, "
+        f"target {s['target_dtype']}), drafter {s['drafter']} {s['drafter_layers']} layers "
+        f"({s['drafter_params'] / 1e6:.1f} M params), {s['rows']} rows x {s['seq']} tokens, block {s['block_size']}, "
+        f"{s['anchors']} anchors/row; {s['warmup']} warm-up + {s['repeats']} x {s['steps']} timed steps per row.",
+        "",
+        markdown_table(results["rows"]),
+        "",
+        *column_lines(),
+        "",
+        *flops_lines(results["rows"], results["peak_flops"]),
+    ]
+    if "profile" in results:
+        parts += ["", profile_table(results["profile"])]
+    return "\n".join(parts)
+
+
+def write_json(path: Path, results: dict) -> None:
+    from dflash2.atomic_files import atomic_write_with
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(results, indent=2) + "\n"
+    atomic_write_with(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def main() -> None:
+    from dflash2.logging_setup import configure_console_logging
+
+    configure_console_logging()
+    try:
+        run()
+    except DFlash2Error as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
