@@ -144,6 +144,14 @@ def _eos_list(eos_token_id) -> list[int]:
     return ids
 
 
+# torch builds whose CUDA graphs cannot register a generator (older than 2.5) run sampling phases eagerly
+GRAPHED_SAMPLING = hasattr(torch.cuda.CUDAGraph, "register_generator_state")
+
+
+def _graphable(params: SamplingParams) -> bool:
+    return params.greedy or GRAPHED_SAMPLING
+
+
 def _key(params: SamplingParams) -> tuple:
     """What of the sampling parameters a captured phase bakes in (part of its graph key)."""
     return ("greedy",) if params.greedy else (params.temperature, params.top_k, params.top_p)
@@ -336,7 +344,7 @@ class Decoder:
 
         def step(kv_len: int) -> None:
             fwd = lambda: self._ar_forward(s, kv_len, params, generator)  # noqa: E731
-            self._phase(s, ("ar_forward", kv_len, how), fwd, "verify")
+            self._phase(s, ("ar_forward", kv_len, how), fwd, "verify", graph=_graphable(params))
             self._phase(s, ("ar_accept",), lambda: self._ar_accept(s), "accept")
             self._phase(s, ("commit", 1), lambda: self._commit(s, 1, False), "commit")
 
@@ -373,13 +381,13 @@ class Decoder:
         self.drafter.append(s.ctx, taps, lengths)
         generator = self._sampling_generator(params, generator)
         self._first_token(s, logits, N, params, generator)
-        how = _key(params)
+        how, graphable = _key(params), _graphable(params)
 
         def step(kv_len: int) -> None:
             draft = lambda: self._draft(s, kv_len, params, generator, argmax_drafts)  # noqa: E731
-            self._phase(s, ("draft", kv_len, how, argmax_drafts), draft, "draft")
-            self._phase(s, ("verify", kv_len, how), lambda: self._verify(s, kv_len, params), "verify")
-            self._phase(s, ("accept", how), lambda: self._accept(s, params, generator), "accept")
+            self._phase(s, ("draft", kv_len, how, argmax_drafts), draft, "draft", graph=graphable)
+            self._phase(s, ("verify", kv_len, how), lambda: self._verify(s, kv_len, params), "verify", graph=graphable)
+            self._phase(s, ("accept", how), lambda: self._accept(s, params, generator), "accept", graph=graphable)
             self._phase(s, ("commit", B), lambda: self._commit(s, B, True), "commit")
 
         self._loop(s, B, step)
