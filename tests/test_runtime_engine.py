@@ -228,7 +228,10 @@ def test_slot_keeps_phase_results_at_one_address():
     kept_b = s.keep("p", b)
     assert kept_a.data_ptr() == kept_b.data_ptr() and torch.equal(kept_b, b) and kept_b is not b
     assert s.keep("q_dense", None) is None
-    assert s.keep("p", b.double()).dtype == torch.float64  # another dtype: a new buffer
+    other = s.keep("p", b[:, :1])  # another shape (e.g. a point-mass q): its own buffer, the first kept
+    assert other.shape == (2, 1, 5) and other.data_ptr() != kept_a.data_ptr()
+    assert s.keep("p", a).data_ptr() == kept_a.data_ptr() and torch.equal(kept_a, a)
+    assert s.keep("p", b.double()).dtype == torch.float64
     # a graph bakes the sampling parameters in: they are part of the phase key
     assert _key(SamplingParams(0.0, 5, 0.5)) == _key(SamplingParams()) == ("greedy",)
     assert _key(SamplingParams(0.7, 5, 0.9)) != _key(SamplingParams(0.7, 5, 1.0))

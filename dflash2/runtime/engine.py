@@ -106,18 +106,19 @@ class Slot:
         self.log = torch.zeros(max_len + 1, 3, Nb, **z)
         self.step = torch.zeros(1, **z)
         self.proposal = self.probs = None  # T>0 hand-over between phases, in buffers of `keep`
-        self._kept: dict[str, torch.Tensor] = {}
+        self._kept: dict[tuple, torch.Tensor] = {}
 
     def keep(self, name: str, t: torch.Tensor | None) -> torch.Tensor | None:
-        """t copied into this slot's buffer ``name`` (made on first use, same shape and dtype), so that a
-        phase's result sits at one address whichever graph or eager call produced it and a captured
-        consumer reads it there. None stays None."""
+        """t copied into this slot's buffer for (name, shape, dtype), made on first use and kept for the
+        slot's life, so that a phase's result sits at one address whichever graph or eager call produced
+        it and a captured consumer reads it there (a graph of another shape keeps its own buffer alive).
+        None stays None."""
         if t is None:
             return None
-        buf = self._kept.get(name)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = self._kept[name] = torch.empty_like(t)
-        return buf.copy_(t)
+        key = (name, tuple(t.shape), t.dtype)
+        if key not in self._kept:
+            self._kept[key] = torch.empty_like(t)
+        return self._kept[key].copy_(t)
 
     def reset(self, max_new_tokens: int, eos: list[int]) -> None:
         """Empty caches and counters for a new generation (K/V past the lengths is never read: not cleared)."""
@@ -387,7 +388,9 @@ class Decoder:
             draft = lambda: self._draft(s, kv_len, params, generator, argmax_drafts)  # noqa: E731
             self._phase(s, ("draft", kv_len, how, argmax_drafts), draft, "draft", graph=graphable)
             self._phase(s, ("verify", kv_len, how), lambda: self._verify(s, kv_len, params), "verify", graph=graphable)
-            self._phase(s, ("accept", how), lambda: self._accept(s, params, generator), "accept", graph=graphable)
+            # accept reads the drafts' q, whose shape depends on argmax_drafts (a point mass has k = 1)
+            accept = lambda: self._accept(s, params, generator)  # noqa: E731
+            self._phase(s, ("accept", how, argmax_drafts), accept, "accept", graph=graphable)
             self._phase(s, ("commit", B), lambda: self._commit(s, B, True), "commit")
 
         self._loop(s, B, step)
