@@ -138,9 +138,7 @@ def test_sampled_generation_in_graphs_equals_eager(hf_targets, kind, monkeypatch
     greedy = graphed.generate_spec(PROMPTS, 40).sequences
     assert greedy == eager.generate_spec(PROMPTS, 40).sequences  # its own T=0 graphs, not the T>0 ones
     # argmax drafts verified as point masses (q with k = 1): their own accept graph and q buffers
-    point = [
-        dec.generate_spec(PROMPTS, 40, generator=torch.Generator(device="cuda").manual_seed(5), argmax_drafts=True, **warp)
-        for dec in (graphed, eager)
-    ]
+    seeded = lambda: torch.Generator(device="cuda").manual_seed(5)
+    point = [dec.generate_spec(PROMPTS, 40, generator=seeded(), argmax_drafts=True, **warp) for dec in (graphed, eager)]
     assert point[0].sequences == point[1].sequences
     assert both(3) == first  # the selector-sampled graphs still read their own buffers
