@@ -213,3 +213,25 @@ def test_one_host_sync_per_step_on_the_gpu(runtimes, hf_targets, monkeypatch, te
     assert len(polls) == max(res.steps) + 1 + 30  # spec steps + the final poll, AR: 29 steps + 1
     if temperature == 0:
         assert res.sequences == ar == _expected(full, PROMPTS, 30)
+
+
+def test_slot_keeps_phase_results_at_one_address():
+    """Slot.keep: a T>0 phase's result (the warped p, the drafts' q) is copied into one buffer per
+    name, so a captured consumer reads it at a fixed address whichever call produced it."""
+    from dflash2.decoding.sampling import SamplingParams
+    from dflash2.runtime.engine import Slot, _key
+
+    s = Slot.__new__(Slot)
+    s._kept = {}
+    a, b = torch.rand(2, 3, 5), torch.rand(2, 3, 5)
+    kept_a = s.keep("p", a)
+    kept_b = s.keep("p", b)
+    assert kept_a.data_ptr() == kept_b.data_ptr() and torch.equal(kept_b, b) and kept_b is not b
+    assert s.keep("q_dense", None) is None
+    other = s.keep("p", b[:, :1])  # another shape (e.g. a point-mass q): its own buffer, the first kept
+    assert other.shape == (2, 1, 5) and other.data_ptr() != kept_a.data_ptr()
+    assert s.keep("p", a).data_ptr() == kept_a.data_ptr() and torch.equal(kept_a, a)
+    assert s.keep("p", b.double()).dtype == torch.float64
+    # a graph bakes the sampling parameters in: they are part of the phase key
+    assert _key(SamplingParams(0.0, 5, 0.5)) == _key(SamplingParams()) == ("greedy",)
+    assert _key(SamplingParams(0.7, 5, 0.9)) != _key(SamplingParams(0.7, 5, 1.0))

@@ -19,8 +19,11 @@ log) at fixed addresses, reused by every generation of that bucket. Each phase i
 function of the slot alone, so with ``graphs=True`` (CUDA) each is captured once per
 (bucket, phase, attended-length bucket) and replayed afterwards (graphs.py). A batch
 of N rows runs in the slot of ``batch_bucket(N)``; the padding rows are inactive
-from the start. T>0 draws random numbers from a caller's generator, so the phases
-that sample (draft, verify, accept at T>0, the AR forward at T>0) run eagerly.
+from the start. T>0 phases are captured too: on CUDA they draw from the Decoder's own
+generator, registered with every graph (a replay advances it as the eager call would),
+and seeded once per generation from the caller's generator; their hand-overs (the
+warped p, the drafts' q) live in slot buffers at fixed addresses. Each phase's key
+carries the sampling parameters, which a graph bakes in.
 
 :func:`generate_ar` / :func:`generate_spec` are one-generation conveniences over a
 fresh eager Decoder. Shapes: N rows (Nb in the slot), P_max longest prompt, B block,
@@ -38,6 +41,7 @@ from dflash2.decoding.sampling import SamplingParams, warp_probs
 from dflash2.errors import DFlash2Error
 from dflash2.runtime.drafter import RuntimeDrafter
 from dflash2.runtime.graphs import BATCH_BUCKETS, PhaseGraphs, batch_bucket
+from dflash2.runtime.sampling import Proposal
 from dflash2.runtime.step import accept_greedy, accept_sampled, choose, emit, finish_step, prefill
 
 KV_BUCKET = 64  # eager: attention reads the caches up to the longest row rounded up to this
@@ -101,7 +105,20 @@ class Slot:
         self.argmax = torch.zeros(Nb, B, **z)
         self.log = torch.zeros(max_len + 1, 3, Nb, **z)
         self.step = torch.zeros(1, **z)
-        self.proposal = self.probs = None  # T>0 (eager) hand-over between phases
+        self.proposal = self.probs = None  # T>0 hand-over between phases, in buffers of `keep`
+        self._kept: dict[tuple, torch.Tensor] = {}
+
+    def keep(self, name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+        """t copied into this slot's buffer for (name, shape, dtype), made on first use and kept for the
+        slot's life, so that a phase's result sits at one address whichever graph or eager call produced
+        it and a captured consumer reads it there (a graph of another shape keeps its own buffer alive).
+        None stays None."""
+        if t is None:
+            return None
+        key = (name, tuple(t.shape), t.dtype)
+        if key not in self._kept:
+            self._kept[key] = torch.empty_like(t)
+        return self._kept[key].copy_(t)
 
     def reset(self, max_new_tokens: int, eos: list[int]) -> None:
         """Empty caches and counters for a new generation (K/V past the lengths is never read: not cleared)."""
@@ -126,6 +143,19 @@ def _eos_list(eos_token_id) -> list[int]:
     if len(ids) > EOS_SLOTS:
         raise DFlash2Error(f"{len(ids)} EOS ids; the runtime holds at most {EOS_SLOTS}")
     return ids
+
+
+# torch builds whose CUDA graphs cannot register a generator (older than 2.5) run sampling phases eagerly
+GRAPHED_SAMPLING = hasattr(torch.cuda.CUDAGraph, "register_generator_state")
+
+
+def _graphable(params: SamplingParams) -> bool:
+    return params.greedy or GRAPHED_SAMPLING
+
+
+def _key(params: SamplingParams) -> tuple:
+    """What of the sampling parameters a captured phase bakes in (part of its graph key)."""
+    return ("greedy",) if params.greedy else (params.temperature, params.top_k, params.top_p)
 
 
 class Decoder:
@@ -161,6 +191,9 @@ class Decoder:
         self.pad = self.graphs if pad is None else bool(pad)
         self.kv_bucket = GRAPH_KV_BUCKET if self.graphs else KV_BUCKET
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        # T>0 on CUDA: one generator of the Decoder's, seeded per generation from the caller's (see
+        # _sampling_generator), registered with every graph so that captured draws advance it
+        self._rng = torch.Generator(device=self.device) if cuda else None
         self.slots: dict[int, Slot] = {}
         self.timer = None
         self.on_step = None
@@ -175,7 +208,7 @@ class Decoder:
         """The slot of N rows: its batch bucket when padding (padding rows stay inactive), else exactly N."""
         Nb = batch_bucket(N, self.buckets) if self.pad else N
         if Nb not in self.slots:
-            graphs = PhaseGraphs(self.graphs, self._pool)
+            graphs = PhaseGraphs(self.graphs, self._pool, generators=() if self._rng is None else (self._rng,))
             self.slots[Nb] = Slot(self.model, self.drafter, Nb, self.max_len, graphs)
         return self.slots[Nb]
 
@@ -195,6 +228,18 @@ class Decoder:
             lengths = torch.cat([lengths, lengths.new_ones(s.batch - N)])
         s.reset(max_new_tokens, _eos_list(eos_token_id))
         return s, ids, lengths, N
+
+    def _sampling_generator(self, params, generator):
+        """The generator a generation's draws come from. On the CPU (and at T=0): the caller's. On CUDA
+        at T>0: the Decoder's own, reseeded now from one draw of the caller's generator (or of the
+        default one): graphs can only replay draws from a generator registered at capture, so every
+        phase, eager or replayed, uses that one; one host read per generation, before its steps."""
+        if params.greedy or self._rng is None:
+            return generator
+        dev = generator.device if generator is not None else self.device
+        seed = torch.randint(0, 2**62, (1,), generator=generator, device=dev)
+        self._rng.manual_seed(int(seed))
+        return self._rng
 
     def _first_token(self, s: Slot, logits, N: int, params, generator) -> None:
         """The prefill's token is emitted; rows that are done (budget 1, EOS) or padding are inactive."""
@@ -248,7 +293,9 @@ class Decoder:
     def _draft(self, s: Slot, kv_len: int, params, generator, argmax_drafts: bool) -> None:
         proposal = self.drafter.propose(s.ctx, s.token, params, generator, kv_len=kv_len, argmax_drafts=argmax_drafts)
         s.drafts.copy_(proposal.tokens)
-        s.proposal = None if params.greedy else proposal
+        if not params.greedy:  # q at fixed addresses: the captured accept reads it there
+            q = [s.keep(f"q_{name}", getattr(proposal, name)) for name in ("ids", "probs", "dense")]
+            s.proposal = Proposal(s.drafts, *q)
 
     def _verify(self, s: Slot, kv_len: int, params) -> None:
         block = torch.cat([s.token[:, None], s.drafts], dim=1)  # (Nb, B) = [anchor, d_1 .. d_P]
@@ -256,7 +303,7 @@ class Decoder:
         if params.greedy:
             s.argmax.copy_(logits.argmax(-1))
         else:
-            s.probs = warp_probs(logits, params)
+            s.probs = s.keep("p", warp_probs(logits, params))
 
     def _accept(self, s: Slot, params, generator) -> None:
         finish = dict(active=s.active, eos_token_id=s.eos, budget=s.limit - s.count)
@@ -292,11 +339,13 @@ class Decoder:
         s, ids, lengths, N = self._begin(prompts, max_new_tokens, eos_token_id, 1)
         if max_new_tokens == 0:
             return [[] for _ in range(N)]
+        generator = self._sampling_generator(params, generator)
         self._first_token(s, prefill(self.model, s.state, ids, lengths), N, params, generator)
+        how = _key(params)
 
         def step(kv_len: int) -> None:
             fwd = lambda: self._ar_forward(s, kv_len, params, generator)  # noqa: E731
-            self._phase(s, ("ar_forward", kv_len), fwd, "verify", graph=params.greedy)
+            self._phase(s, ("ar_forward", kv_len, how), fwd, "verify", graph=_graphable(params))
             self._phase(s, ("ar_accept",), lambda: self._ar_accept(s), "accept")
             self._phase(s, ("commit", 1), lambda: self._commit(s, 1, False), "commit")
 
@@ -331,14 +380,17 @@ class Decoder:
         taps = None if s.ctx.taps is None else s.ctx.taps.new_empty(s.batch, ids.shape[1], s.ctx.taps.shape[-1])
         logits = prefill(self.model, s.state, ids, lengths, taps_out=taps)
         self.drafter.append(s.ctx, taps, lengths)
+        generator = self._sampling_generator(params, generator)
         self._first_token(s, logits, N, params, generator)
-        greedy = params.greedy
+        how, graphable = _key(params), _graphable(params)
 
         def step(kv_len: int) -> None:
             draft = lambda: self._draft(s, kv_len, params, generator, argmax_drafts)  # noqa: E731
-            self._phase(s, ("draft", kv_len, argmax_drafts), draft, "draft", graph=greedy)
-            self._phase(s, ("verify", kv_len), lambda: self._verify(s, kv_len, params), "verify", graph=greedy)
-            self._phase(s, ("accept",), lambda: self._accept(s, params, generator), "accept", graph=greedy)
+            self._phase(s, ("draft", kv_len, how, argmax_drafts), draft, "draft", graph=graphable)
+            self._phase(s, ("verify", kv_len, how), lambda: self._verify(s, kv_len, params), "verify", graph=graphable)
+            # accept reads the drafts' q, whose shape depends on argmax_drafts (a point mass has k = 1)
+            accept = lambda: self._accept(s, params, generator)  # noqa: E731
+            self._phase(s, ("accept", how, argmax_drafts), accept, "accept", graph=graphable)
             self._phase(s, ("commit", B), lambda: self._commit(s, B, True), "commit")
 
         self._loop(s, B, step)

@@ -39,12 +39,15 @@ class PhaseGraphs:
     """Eager on a key's first use, captured on its second, replayed from then on (``enabled=False``: always eager).
 
     ``run(key, fn)``: fn() takes no arguments and returns nothing; it may allocate temporaries
-    but its results must land in tensors that outlive it (the slot's buffers).
+    but its results must land in tensors that outlive it (the slot's buffers). ``generators``: the
+    non-default CUDA generators the phases draw from; each graph registers them before capture
+    (CUDA graphs refuse draws from an unregistered generator).
     """
 
-    def __init__(self, enabled: bool, pool=None):
+    def __init__(self, enabled: bool, pool=None, generators=()):
         self.enabled = enabled
         self.pool = pool
+        self.generators = tuple(generators)  # CUDA generators a phase may draw from (registered per graph)
         self.graphs: dict = {}
         self.seen: set = set()
         self.captures = 0
@@ -60,6 +63,8 @@ class PhaseGraphs:
                 fn()
                 return
             g = torch.cuda.CUDAGraph()
+            for gen in self.generators:  # a replay then advances gen's offset as the eager draws would
+                g.register_generator_state(gen)
             with torch.cuda.graph(g, pool=self.pool):
                 fn()  # recorded, not run
             self.graphs[key] = g
