@@ -23,6 +23,7 @@ from dflash2.training.throughput_flops import (
     step_flops,
     target_forward_flops,
 )
+from dflash2.training.throughput_setup import random_target, synthetic_rows
 
 TINY = ["--shape", "tiny", "--device", "cpu", "--threads", "1"]
 
@@ -136,7 +137,7 @@ def test_linear_count_equals_the_matmuls_a_training_step_runs():
 
 def test_target_count_equals_the_matmuls_of_its_forward():
     """tap_features' linear layers: 2 x decoder linear weights x tokens, the causal attention apart."""
-    target = bt.random_target("tiny", torch.device("cpu"), seed=0)
+    target = random_target("tiny", torch.device("cpu"), seed=0)
     text = target.text_config
     ids = torch.randint(0, 200, (2, 16))
     with torch.utils.flop_counter.FlopCounterMode(display=False) as fc:
@@ -259,4 +260,4 @@ def test_bad_choices_are_one_line_errors():
     with pytest.raises(bt.DFlash2Error, match="--attention='sparse'"):
         bt.parse_args([*TINY, "--attention", "sparse"])
     with pytest.raises(bt.DFlash2Error, match="--prompt-tokens=63"):
-        bt.synthetic_rows(1, 64, 63, 100, 99, 0)
+        synthetic_rows(1, 64, 63, 100, 99, 0)

@@ -65,8 +65,6 @@ import statistics
 import sys
 import time
 import warnings
-from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -83,8 +81,9 @@ from dflash2.training.throughput_report import (
     flops_lines,
     markdown_table,
     profile_table,
-    top_kernels,
 )
+from dflash2.training.throughput_setup import Bench, Variant, build_bench
+from dflash2.training.throughput_step import StepRunner, compiled_graphs, profile_one_step, timed_seconds
 
 log = logging.getLogger(__name__)
 
@@ -106,210 +105,9 @@ FLEX_ON_CPU = "flex needs CUDA: FlexAttention has no backward on the CPU, so tra
 _LOG_WARNING = r"You are trying to `self.log\(\)`"  # training_step logs; no Trainer here to take the values
 
 
-@dataclass(frozen=True)
-class Variant:
-    attention: str  # flex | dense: drafter.attention
-    ce: str  # chunked | plain: drafter.loss_chunk_positions = the chunk, or 0
-    features: str  # offline | online: data.features
-
-    @property
-    def name(self) -> str:
-        return f"{self.attention} / {self.ce} CE / {self.features}"
-
-    @property
-    def key(self) -> tuple[str, str, str]:
-        return self.attention, self.ce, self.features
-
-
 def variants(attention=ATTENTION, ce=CE, features=FEATURES) -> list[Variant]:
     """Every combination, the headline one (flex, chunked, offline) first."""
     return [Variant(a, c, f) for a in attention for c in ce for f in features]
-
-
-# ----------------------------------------------------------------------------------------- set-up
-def drafter_settings(option: str, overrides: dict) -> dict:
-    """The ``drafter`` config group as ``python train.py drafter=<option>`` composes it, plus ``overrides``
-    (``drafter.<key>=<value>``), as a plain dict."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from dflash2.training.build_target import to_plain
-    from dflash2.training.cli import CONFIG_DIR
-
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-            cfg = compose("train", overrides=[f"drafter={option}", *(f"drafter.{k}={v}" for k, v in overrides.items())])
-    finally:
-        GlobalHydra.instance().clear()
-    return to_plain(cfg.drafter)
-
-
-def random_target(shape: str, device: torch.device, seed: int):
-    """A frozen TargetModel of random weights at ``shape``, in the dtype ``target.dtype=auto`` picks
-    (bf16 on CUDA, fp32 on the CPU), with the default taps."""
-    from dflash2.eval.speedup_setup import random_model
-    from dflash2.target import TargetModel
-    from dflash2.target_dtype import resolve_target_dtype
-
-    dtype = resolve_target_dtype("auto", device)
-    return TargetModel(random_model(shape, dtype=dtype, device=device, seed=seed), name_or_path=f"random:{shape}")
-
-
-def synthetic_rows(rows: int, seq: int, prompt_tokens: int, vocab: int, mask_id: int, seed: int) -> list[dict]:
-    """Rows as a regenerated split holds them: input_ids (seq,) random ids (never ``mask_id``), loss_mask
-    0 on the first ``prompt_tokens`` (the prompt) and 1 on the rest (the response)."""
-    if not 1 <= prompt_tokens <= seq - 2:
-        raise DFlash2Error(f"--prompt-tokens={prompt_tokens} must leave a response: 1 <= it <= --seq - 2 = {seq - 2}")
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab - 1, (rows, seq), generator=g)
-    ids[ids >= mask_id] += 1  # skip the mask id, stay below vocab
-    mask = [0] * prompt_tokens + [1] * (seq - prompt_tokens)
-    return [{"input_ids": ids[i].tolist(), "loss_mask": list(mask)} for i in range(rows)]
-
-
-def offline_batch(target, rows: list[dict]) -> dict[str, torch.Tensor]:
-    """The CPU batch of ``data.features=offline``: the rows' taps from ``sequence_features`` (what
-    ``python -m dflash2.data.features`` stores), collated as the training loader does."""
-    from dflash2.data.features import sequence_features
-    from dflash2.training.drafter_data import collate_sequences
-
-    feats = sequence_features(target, [r["input_ids"] for r in rows], top_k=0, batch_size=len(rows))
-    batch = collate_sequences([{**r, "target_taps": f["taps"]} for r, f in zip(rows, feats)], pad_id=0)
-    if target.model.device.type == "cuda":
-        torch.cuda.empty_cache()  # the job's logits are gone: give their blocks back before the rows
-    return batch
-
-
-@dataclass
-class Bench:
-    """What every row shares: the target, the drafter (its initial weights on the CPU), the settings and
-    the CPU batches (``offline`` carries ``target_taps``)."""
-
-    target: object
-    drafter: torch.nn.Module
-    initial_state: dict
-    settings: dict
-    batches: dict
-    device: torch.device
-    seed: int
-    chunk: int
-
-    @property
-    def rows(self) -> int:
-        return self.batches["online"]["input_ids"].shape[0]
-
-    @property
-    def seq(self) -> int:
-        return self.batches["online"]["input_ids"].shape[1]
-
-
-def build_bench(a: argparse.Namespace, device: torch.device) -> Bench:
-    """The target, the drafter the settings describe, and the batches, for every row of the run."""
-    from dflash2.drafter.from_target import drafter_config_for_target
-    from dflash2.training.drafter_data import collate_sequences
-    from dflash2.training.train_drafter import fresh_drafter
-
-    target = random_target(a.shape, device, a.seed)
-    text = target.text_config
-    heads = int(text.num_attention_heads)
-    overrides = {
-        "num_hidden_layers": a.layers,
-        "block_size": a.block,
-        "num_anchors": a.anchors,
-        # the published drafters use the target's attention shape (the group's 4 / 2 heads are the tiny one's)
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(text.num_key_value_heads),
-        "head_dim": int(getattr(text, "head_dim", None) or target.hidden_size // heads),
-        "mask_token_id": target.vocab_size - 1,  # random target, no tokenizer: the last id, never in the data
-    }
-    settings = drafter_settings(a.drafter, overrides)
-    config = drafter_config_for_target(settings, target)
-    drafter = fresh_drafter(config, settings, a.seed)
-    initial = {k: v.clone() for k, v in drafter.state_dict().items()}  # on the CPU: every row starts here
-    drafter.to(device)
-    rows = synthetic_rows(a.rows, a.seq, a.prompt_tokens, target.vocab_size, config.mask_token_id, a.seed)
-    batches = {"online": collate_sequences(rows, pad_id=0), "offline": offline_batch(target, rows)}
-    chunk = a.chunk if a.chunk is not None else int(settings.get("loss_chunk_positions") or 1024)
-    return Bench(target, drafter, initial, settings, batches, device, a.seed, chunk)
-
-
-# ------------------------------------------------------------------------------------------ the step
-class StepRunner:
-    """One variant's training module, optimiser and scheduler; ``step`` is one optimizer step as
-    Lightning's automatic optimisation runs it (module docstring)."""
-
-    def __init__(self, bench: Bench, variant: Variant, total_steps: int):
-        from dflash2.training.preflight import check_attention
-        from dflash2.training.train_drafter import training_module
-
-        attention = check_attention(variant.attention, str(bench.device))  # flex on the CPU: refused, as train.py
-        self.bench, self.device = bench, bench.device
-        bench.drafter.load_state_dict(bench.initial_state)  # every row from the same weights
-        self.module = training_module(
-            bench.drafter,
-            bench.target,
-            bench.settings,
-            total_steps=total_steps,
-            seed=bench.seed,
-            target_id=str(bench.target.name_or_path),
-            loss_chunk=bench.chunk if variant.ce == "chunked" else 0,
-            attention=attention,
-        ).to(self.device)
-        self.module.train()
-        opt = self.module.configure_optimizers()
-        self.optimizer, self.scheduler = opt["optimizer"], opt["lr_scheduler"]["scheduler"]
-        self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        self.clip = float(bench.settings.get("grad_clip") or 0.0)
-        # trainer=gpu is bf16-mixed (autocast around training_step), trainer=cpu 32-true
-        cuda = self.device.type == "cuda"
-        self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else nullcontext
-        self.cpu_batch = bench.batches[variant.features]
-
-    def step(self, step: int) -> None:
-        rows = self.cpu_batch["input_ids"].shape[0]
-        keys = torch.tensor([[step, r] for r in range(rows)], dtype=torch.long)  # (N, 2): (step, global row)
-        batch = {k: v.to(self.device) for k, v in {**self.cpu_batch, "anchor_keys": keys}.items()}
-        with self.autocast():
-            loss = self.module.training_step(batch, step)
-        self.optimizer.zero_grad(set_to_none=True)  # Lightning zeroes after training_step, before backward
-        loss.backward()
-        if self.clip:
-            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
-        self.optimizer.step()
-        self.scheduler.step()
-
-    def close(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)  # no gradients of this row in the next one's memory
-        self.module = self.optimizer = self.scheduler = self.params = None
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed_seconds(run, device: torch.device) -> float:
-    """Wall time of ``run()``: CUDA events on a GPU, perf_counter after a synchronize elsewhere."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    synchronize(device)
-    t0 = time.perf_counter()
-    run()
-    synchronize(device)
-    return time.perf_counter() - t0
-
-
-def compiled_graphs() -> int:
-    """Graphs torch.compile has built so far in this process (flex attention and its block masks)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
 
 
 def step_anchors(bench: Bench, steps: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -397,20 +195,6 @@ def measure(bench: Bench, variant: Variant, a: argparse.Namespace, peak: float |
     if prof is not None:
         row["profile"] = prof
     return row
-
-
-def profile_one_step(runner: StepRunner, step: int, device: torch.device) -> dict:
-    """torch.profiler over one more step: its top-10 CUDA kernels (CPU operators on the CPU)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    synchronize(device)
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        runner.step(step)
-        synchronize(device)
-        wall = time.perf_counter() - t0
-    return {**top_kernels(prof, device.type), "step_ms": wall * 1e3}
 
 
 # ------------------------------------------------------------------------------------ rows, guarded
