@@ -7,6 +7,7 @@ The whole run through `train.py` in 1 and 2 processes: tests/test_multi_process_
 from __future__ import annotations
 
 import socket
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -135,7 +136,7 @@ class _Head(torch.nn.Module):
         return features @ self.weight
 
 
-def _rank_grads(rank: int, init_file: str, out: dict) -> None:
+def _rank_grads(rank: int, init_file: str, out_file: str) -> None:
     from datetime import timedelta
 
     from torch.nn.parallel import DistributedDataParallel
@@ -159,8 +160,10 @@ def _rank_grads(rank: int, init_file: str, out: dict) -> None:
             results[name] = (model.module.weight.grad.clone(), all_reduce_sum(loss.detach()) / 2)
         predictions = (features[rows] @ head).argmax(-1)
         results["metrics"] = all_reduce_sum(block_metric_sums(predictions, labels[rows], mask[rows]))
-        if rank == 0:
-            out.update(results)
+        if rank == 0:  # a file, not a Manager dict: sending tensors to a Manager shares their storage
+            # through file descriptors that the sender's resource-sharer thread must hand over, and a
+            # rank hung there in the full suite (a rank process asleep, its peer gone, mp.spawn waiting)
+            torch.save(results, out_file)
     finally:
         dist.destroy_process_group()
 
@@ -170,10 +173,15 @@ def test_two_ranks_reproduce_the_one_process_loss_and_gradient_of_the_global_bat
     model = _Head(head)
     loss = weighted_block_loss(model(features), labels, mask, weights)
     loss.backward()
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_rank_grads, args=(str(tmp_path / "rendezvous"), out), nprocs=2, join=True)
-        out = dict(out)
+    out_file = tmp_path / "rank0.pt"
+    ranks = mp.spawn(_rank_grads, args=(str(tmp_path / "rendezvous"), str(out_file)), nprocs=2, join=False)
+    deadline = time.monotonic() + 300  # never a silent hang of the suite: a stuck rank fails the test
+    while not ranks.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ranks.processes:
+                p.kill()
+            pytest.fail("the two gloo ranks did not finish within 300 s")
+    out = torch.load(out_file, weights_only=True)
     grad, ddp_loss = out["global"]
     # One process sums the 5 rows in one reduction, the ranks 2 + 3 rows and then over ranks: fp32 rounding only.
     torch.testing.assert_close(ddp_loss, loss.detach(), rtol=1e-6, atol=0)
