@@ -157,6 +157,10 @@ def _no_fold(N: int, programs: int, k: torch.Tensor, g: torch.Tensor) -> Pending
     in for the stash: with n = 0 every stash load and store is masked off, and they are large enough
     for the loads the recurrence kernel issues before it reads n (kernel.py)."""
     key = (k.device, N, programs)
-    if key not in _NO_PENDING:
-        _NO_PENDING[key] = torch.zeros(N, programs, dtype=torch.int32, device=k.device)
-    return PendingFold(_NO_PENDING[key], k, g)
+    zeros = _NO_PENDING.get(key)
+    if zeros is None:
+        zeros = torch.zeros(N, programs, dtype=torch.int32, device=k.device)
+        # made inside a graph capture, its memset runs only in that graph's replays: not for sharing
+        if not (k.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _NO_PENDING[key] = zeros
+    return PendingFold(zeros, k, g)
