@@ -138,12 +138,12 @@ def _inputs(case, t=None):
     return case["x"][:, sl], case["conv_weight"], case["a"][:, sl], case["b"][:, sl], case["A_log"], case["dt_bias"]
 
 
-def _decode(case, mode):
-    """Single-token decoding of the whole block: verify(1) + commit(1) per token.
+def _decode(case, mode, **kw):
+    """Single-token decoding of the whole block: verify(1) + commit(1) per token (kw: GDNState's).
 
     Returns the states after t = 0..T tokens, conv (T+1, N, C, K-1) and rec (T+1, N, H, d_k, d_v),
     and the u each step logged (N, T, H, d_v) (None for the reference / native logs)."""
-    s = _gdn_state(case, mode)
+    s = _gdn_state(case, mode, **kw)
     N, T = case["x"].shape[:2]
     convs, recs, us = [s.conv[0].clone()], [s.rec[0].clone()], []
     for t in range(T):

@@ -312,13 +312,14 @@ def profile_kernels(
 
 # block_t only sizes the prep kernel's token chunks (one chunk at T ≤ 16): not searched. The recurrence
 # and the fold are what the tile width and warps change; the prep's warps are its own knob
-SWEEP = dict(block_v=(8, 16, 32, 64), num_warps=(1, 2, 4, 8))
+SWEEP = dict(block_v=(4, 8, 16, 32, 64), num_warps=(1, 2, 4, 8))
 PREP_SWEEP = (1, 2, 4, 8)  # the prep kernel's warps, searched after the tile (it does not depend on it)
+STAGES_SWEEP = (2, 3, 4)  # the recurrence's pipelined loops (0, the hand prefetch, is the grid's own)
 
 
 def best_options(shape, N, T, mode, **kw) -> Row:
-    """The fastest verify + commit over the SWEEP grid, then over PREP_SWEEP with the best tile
-    (options a kernel cannot compile are skipped)."""
+    """The fastest verify + commit over the SWEEP grid, then over STAGES_SWEEP and PREP_SWEEP with the
+    best tile (options a kernel cannot compile are skipped)."""
     best = None
 
     def attempt(options):
@@ -336,6 +337,9 @@ def best_options(shape, N, T, mode, **kw) -> Row:
         if bv <= shape.head_v_dim * 2:
             attempt(dict(block_v=bv, num_warps=warps))
     if best is not None and mode != "reference":
+        tile = dict(best.kernel_options)
+        for stages in STAGES_SWEEP:
+            attempt({**tile, "stages": stages})
         tile = dict(best.kernel_options)
         for prep in PREP_SWEEP:
             attempt({**tile, "prep_warps": prep})
@@ -390,6 +394,14 @@ def main(argv=None) -> list[Row]:
     p.add_argument("--eager", action="store_true", help="time plain calls instead of CUDA-graph replays")
     p.add_argument("--sweep", action="store_true", help="search block_v / num_warps / prep_warps per batch and mode")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    p.add_argument(
+        "--options",
+        type=json.loads,
+        action="append",
+        default=None,
+        help='kernel options as JSON, e.g. \'{"block_v": 8, "num_warps": 1, "stages": 3}\'; repeat to measure '
+        "several (each a row per batch and mode; ignored by --sweep)",
+    )
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
     p.add_argument("--profile", action="store_true", help="also list the GPU kernels of a step per batch and mode")
     args = p.parse_args(argv)
@@ -405,9 +417,10 @@ def main(argv=None) -> list[Row]:
     print(f"shape {asdict(shape)}, device {args.device}, dtype {args.dtype}")
     rows = []
     for N, mode in itertools.product(args.batch, args.modes):
-        sweep = args.sweep and mode != "reference"
-        run = best_options if sweep else measure
-        rows.append(run(shape, N, args.block, mode, **kw))
+        if args.sweep and mode != "reference":
+            rows.append(best_options(shape, N, args.block, mode, **kw))
+        else:
+            rows.extend(measure(shape, N, args.block, mode, kernel_options=o, **kw) for o in args.options or [None])
         if args.device != "cpu":
             torch.cuda.empty_cache()  # native at batch 64 holds tens of GiB of per-position states
     print(report(rows, args.block))

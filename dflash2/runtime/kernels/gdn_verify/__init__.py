@@ -32,6 +32,8 @@ def gdn_verify_triton(
     block_t: int | None = None,
     num_warps: int | None = None,
     prep_warps: int | None = None,
+    stages: int | None = None,
+    split_out: bool = False,
 ) -> tuple[torch.Tensor, GDNLog]:
     """Outputs of the T block tokens of every row from the untouched states, plus the commit log.
 
@@ -50,7 +52,10 @@ def gdn_verify_triton(
     counts are zeroed (a second call folds nothing). fold.n must have recur_programs(H, d_v, block_v)
     columns (the recurrence kernel's programs per row).
     block_v / block_t / num_warps / prep_warps: tile width over d_v, tokens per chunk, warps per
-    recurrence / prep program (tuning knobs).
+    recurrence / prep program; stages: the recurrence's token loops prefetch by hand two tokens ahead
+    (0, the default) or through Triton's software pipeline of that many stages (tuning knobs: the
+    arithmetic, and so the rounding, is the same); split_out (with stages ≥ 1): o_t = hᵀq + (k·q) u_t,
+    whose d_k sum no longer waits for u_t (outputs round differently; the state and the log do not).
     """
     N, T, C = x.shape
     H, dk, dv = rec_state.shape[1:]
@@ -137,6 +142,8 @@ def gdn_verify_triton(
         store_x=out is not None,
         block_v=bv,
         block_t=bt,
+        stages=stages or 0,
+        split_out=bool(split_out) and bool(stages),
         # registers: the recurrence's state tile (≤ ~64 fp32 per thread). The prep's (BT, d) conv tiles
         # are latency-bound at batch 1 (64 programs at the 9B shape for 132 SMs): 4 warps split each
         # program's loads four ways at no cost in occupancy; a first guess for the sweep to tune

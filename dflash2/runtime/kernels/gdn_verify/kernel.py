@@ -252,6 +252,8 @@ def gdn_recur_kernel(
     BV: tl.constexpr,
     NATIVE: tl.constexpr,
     FOLD: tl.constexpr,
+    STAGES: tl.constexpr,  # 0: rows prefetched two tokens ahead by hand; ≥ 1: tl.range's software pipeline
+    SPLIT_OUT: tl.constexpr,  # (STAGES ≥ 1) o_t = hᵀq + (k·q) u_t: see the loop
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -266,54 +268,96 @@ def gdn_recur_kernel(
     p_rec = rec + i_n * stride_rn + i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
     # masked lanes (BK > DK, BV > DV) load 0 and stay 0 through the recurrence
     h = tl.load(p_rec, mask=m_h, other=0.0)
-    # every load that depends on nothing is issued up front, so their latencies overlap: the pending
-    # count, the first two pending tokens' rows (stale rows if fewer are pending: loaded, never used)
-    # and the first two block tokens' rows (the prep kernel's output; needed after the fold)
-    if FOLD:
-        p_n = pend + i_n * stride_pn + i_h * tl.num_programs(0) + i_v
-        n = tl.load(p_n)
-        fg_0, fk_0, fu_0 = _fold_rows(stash_k, stash_g, log_u, i_n, i_h, i_hk, 0, T, o_k, o_v, m_k, m_v, HK, H, DK, DV)
-        fg_1, fk_1, fu_1 = _fold_rows(stash_k, stash_g, log_u, i_n, i_h, i_hk, 1, T, o_k, o_v, m_k, m_v, HK, H, DK, DV)
-    q_0, k_0, v_0, g_0, beta_0 = _token_rows(
-        q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, 0, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
-    )
-    q_1, k_1, v_1, g_1, beta_1 = _token_rows(
-        q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, 1, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
-    )
-    if FOLD:
-        if n > 0:
-            # the deferred commit: gdn_replay_kernel's fold on the tile in registers, same operations in
-            # the same order (bit for bit the state it would have written); two tokens prefetched
-            for t in range(0, n):
-                fg_2, fk_2, fu_2 = _fold_rows(
-                    stash_k, stash_g, log_u, i_n, i_h, i_hk, t + 2, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
-                )
-                h = h * tl.exp(fg_0)
-                h = h + fk_0[:, None] * fu_0[None, :]
-                fg_0, fk_0, fu_0 = fg_1, fk_1, fu_1
-                fg_1, fk_1, fu_1 = fg_2, fk_2, fu_2
-            tl.store(p_rec, h, mask=m_h)  # the committed state, materialised once
-            tl.store(p_n, n * 0)  # consumed: a second verify without a commit folds nothing
-        # the fold's reads of the old u are done in every thread before the new block's u is stored
-        tl.debug_barrier()
-    for t in range(T):
-        # the rows two tokens ahead first: their loads are in flight while this token's step runs
-        q_2, k_2, v_2, g_2, beta_2 = _token_rows(
-            q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, t + 2, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
+    if STAGES > 0:
+        # the same operations in the same order, the rows loaded inside the loops: Triton's pipeliner
+        # issues the loads of the next STAGES-1 tokens ahead (asynchronous copies into shared memory,
+        # read back in the layout the step uses, so no per-token layout conversion either)
+        if FOLD:
+            p_n = pend + i_n * stride_pn + i_h * tl.num_programs(0) + i_v
+            n = tl.load(p_n)
+            if n > 0:
+                for t in tl.range(0, n, num_stages=STAGES):
+                    fg, fk, fu = _fold_rows(
+                        stash_k, stash_g, log_u, i_n, i_h, i_hk, t, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
+                    )
+                    h = h * tl.exp(fg)
+                    h = h + fk[:, None] * fu[None, :]
+                tl.store(p_rec, h, mask=m_h)
+                tl.store(p_n, n * 0)
+            tl.debug_barrier()
+        for t in tl.range(0, T, num_stages=STAGES):
+            q_t, k_t, v_t, g_t, beta_t = _token_rows(
+                q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, t, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
+            )
+            h = h * tl.exp(g_t)
+            if SPLIT_OUT:
+                # o_t = (h + k uᵀ)ᵀq = hᵀq + (k·q) u: hᵀq no longer waits for u, so its sum over d_k runs
+                # beside hᵀk's instead of after it (one dependent chain per token instead of two; o
+                # rounds differently, the state and the log do not)
+                hq = tl.sum(h * q_t[:, None], 0)
+                kq = tl.sum(k_t * q_t, 0)
+            u_t = (v_t - tl.sum(h * k_t[:, None], 0)) * beta_t
+            h = h + k_t[:, None] * u_t[None, :]
+            out = hq + kq * u_t if SPLIT_OUT else tl.sum(h * q_t[:, None], 0)
+            tok = i_n * T + t
+            tl.store(o + (tok * H + i_h) * DV + o_v, out.to(o.dtype.element_ty), mask=m_v)
+            if NATIVE:
+                tl.store(states + ((tok * H + i_h) * DK + o_k[:, None]) * DV + o_v[None, :], h, mask=m_h)
+            else:
+                tl.store(log_u + (tok * H + i_h) * DV + o_v, u_t, mask=m_v)
+    else:
+        # every load that depends on nothing is issued up front, so their latencies overlap: the pending
+        # count, the first two pending tokens' rows (stale rows if fewer are pending: loaded, never used)
+        # and the first two block tokens' rows (the prep kernel's output; needed after the fold)
+        if FOLD:
+            p_n = pend + i_n * stride_pn + i_h * tl.num_programs(0) + i_v
+            n = tl.load(p_n)
+            fg_0, fk_0, fu_0 = _fold_rows(
+                stash_k, stash_g, log_u, i_n, i_h, i_hk, 0, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
+            )
+            fg_1, fk_1, fu_1 = _fold_rows(
+                stash_k, stash_g, log_u, i_n, i_h, i_hk, 1, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
+            )
+        q_0, k_0, v_0, g_0, beta_0 = _token_rows(
+            q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, 0, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
         )
-        # the recurrence, in single-token decode order (the fold repeats the first and third lines)
-        h = h * tl.exp(g_0)
-        u_t = (v_0 - tl.sum(h * k_0[:, None], 0)) * beta_0
-        h = h + k_0[:, None] * u_t[None, :]
-        out = tl.sum(h * q_0[:, None], 0)
-        tok = i_n * T + t
-        tl.store(o + (tok * H + i_h) * DV + o_v, out.to(o.dtype.element_ty), mask=m_v)
-        if NATIVE:
-            tl.store(states + ((tok * H + i_h) * DK + o_k[:, None]) * DV + o_v[None, :], h, mask=m_h)
-        else:
-            tl.store(log_u + (tok * H + i_h) * DV + o_v, u_t, mask=m_v)
-        q_0, k_0, v_0, g_0, beta_0 = q_1, k_1, v_1, g_1, beta_1
-        q_1, k_1, v_1, g_1, beta_1 = q_2, k_2, v_2, g_2, beta_2
+        q_1, k_1, v_1, g_1, beta_1 = _token_rows(
+            q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, 1, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
+        )
+        if FOLD:
+            if n > 0:
+                # the deferred commit: gdn_replay_kernel's fold on the tile in registers, same operations in
+                # the same order (bit for bit the state it would have written); two tokens prefetched
+                for t in range(0, n):
+                    fg_2, fk_2, fu_2 = _fold_rows(
+                        stash_k, stash_g, log_u, i_n, i_h, i_hk, t + 2, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
+                    )
+                    h = h * tl.exp(fg_0)
+                    h = h + fk_0[:, None] * fu_0[None, :]
+                    fg_0, fk_0, fu_0 = fg_1, fk_1, fu_1
+                    fg_1, fk_1, fu_1 = fg_2, fk_2, fu_2
+                tl.store(p_rec, h, mask=m_h)  # the committed state, materialised once
+                tl.store(p_n, n * 0)  # consumed: a second verify without a commit folds nothing
+            # the fold's reads of the old u are done in every thread before the new block's u is stored
+            tl.debug_barrier()
+        for t in range(T):
+            # the rows two tokens ahead first: their loads are in flight while this token's step runs
+            q_2, k_2, v_2, g_2, beta_2 = _token_rows(
+                q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, t + 2, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
+            )
+            # the recurrence, in single-token decode order (the fold repeats the first and third lines)
+            h = h * tl.exp(g_0)
+            u_t = (v_0 - tl.sum(h * k_0[:, None], 0)) * beta_0
+            h = h + k_0[:, None] * u_t[None, :]
+            out = tl.sum(h * q_0[:, None], 0)
+            tok = i_n * T + t
+            tl.store(o + (tok * H + i_h) * DV + o_v, out.to(o.dtype.element_ty), mask=m_v)
+            if NATIVE:
+                tl.store(states + ((tok * H + i_h) * DK + o_k[:, None]) * DV + o_v[None, :], h, mask=m_h)
+            else:
+                tl.store(log_u + (tok * H + i_h) * DV + o_v, u_t, mask=m_v)
+            q_0, k_0, v_0, g_0, beta_0 = q_1, k_1, v_1, g_1, beta_1
+            q_1, k_1, v_1, g_1, beta_1 = q_2, k_2, v_2, g_2, beta_2
 
 
 def launch_verify(
@@ -336,6 +380,8 @@ def launch_verify(
     native,
     store_x,
     block_v,
+    stages,
+    split_out,
     block_t,
     num_warps,
     prep_warps,
@@ -417,6 +463,8 @@ def launch_verify(
         BV=block_v,
         NATIVE=native,
         FOLD=True,  # always: see gdn_verify_triton (one compiled variant)
+        STAGES=stages,
+        SPLIT_OUT=split_out,
         num_warps=num_warps,
         enable_fp_fusion=False,  # the fold must round as verify does: see gdn_replay/kernel.py
     )
