@@ -12,6 +12,7 @@ import torch
 from dflash2.runtime.kernels.gdn_log import GDNLog, PendingFold, default_block_v, new_log, recur_programs
 
 PREP_TOKENS = 16  # the prep kernel's tokens per chunk (see gdn_verify_triton)
+DEFAULT_STAGES = 3  # ReplaySSM's recurrence: software-pipeline stages of its token loops (see gdn_verify_triton)
 
 
 def gdn_verify_triton(
@@ -52,10 +53,11 @@ def gdn_verify_triton(
     counts are zeroed (a second call folds nothing). fold.n must have recur_programs(H, d_v, block_v)
     columns (the recurrence kernel's programs per row).
     block_v / block_t / num_warps / prep_warps: tile width over d_v, tokens per chunk, warps per
-    recurrence / prep program; stages: the recurrence's token loops prefetch by hand two tokens ahead
-    (0, the default) or through Triton's software pipeline of that many stages (tuning knobs: the
-    arithmetic, and so the rounding, is the same); split_out (with stages ≥ 1): o_t = hᵀq + (k·q) u_t,
-    whose d_k sum no longer waits for u_t (outputs round differently; the state and the log do not).
+    recurrence / prep program. stages: the recurrence's token loops prefetch by hand two tokens ahead
+    (0, native's default) or go through Triton's software pipeline of that many stages (ReplaySSM's
+    default, DEFAULT_STAGES); the arithmetic, and so the rounding, is the same. split_out (with
+    stages ≥ 1): o_t = hᵀq + (k·q) u_t, whose d_k sum no longer waits for u_t (outputs round
+    differently; the state and the log do not). All are tuning knobs (dflash2/runtime/bench_gdn.py).
     """
     N, T, C = x.shape
     H, dk, dv = rec_state.shape[1:]
@@ -120,6 +122,11 @@ def gdn_verify_triton(
     # and folded bit for bit as decoding does it (the exact fold); the masked rows move no bytes.
     # Only the first chunk may read the old window and x (kernel.py): BT ≥ K-1.
     bt = max(block_t or PREP_TOKENS, triton.next_power_of_2(K - 1))
+    if stages is None:
+        # ReplaySSM: the pipelined loops (bit for bit the hand prefetch's results; H200, 9B shape: 25.9 ->
+        # 22.9 µs per layer at batch 1, docs/BENCHMARKS.md). Native keeps the hand prefetch: at batch 64
+        # its per-token state stores made the pipelined loop slower (849 -> 933 µs)
+        stages = 0 if native else DEFAULT_STAGES
     if fold is None:
         fold = _no_fold(N, recur_programs(H, dv, bv), prep[1], prep[3])
     launch_verify(
@@ -142,8 +149,8 @@ def gdn_verify_triton(
         store_x=out is not None,
         block_v=bv,
         block_t=bt,
-        stages=stages or 0,
-        split_out=bool(split_out) and bool(stages),
+        stages=stages,
+        split_out=bool(split_out) and stages > 0,
         # registers: the recurrence's state tile (≤ ~64 fp32 per thread). The prep's (BT, d) conv tiles
         # are latency-bound at batch 1 (64 programs at the 9B shape for 132 SMs): 4 warps split each
         # program's loads four ways at no cost in occupancy; a first guess for the sweep to tune
