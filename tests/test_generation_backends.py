@@ -297,6 +297,30 @@ def test_vllm_regeneration_resumes_after_the_last_finished_call(fake_vllm, targe
     assert folder.name.startswith("train-") and not folder.name.endswith(hf_key)
 
 
+def test_task_data_makes_every_split_with_one_engine_then_shuts_it_down(fake_vllm, micro_train_overrides, tmp_path):
+    """The config keys reach the backend through Hydra; the engine is built once and released at the end."""
+    from dflash2.training.run import run_from_config
+
+    GlobalHydra.instance().clear()
+    overrides = [
+        *micro_train_overrides,
+        f"paths.cache_dir={tmp_path / 'cache'}",  # fake data must not reach the session's shared cache
+        f"paths.output_dir={tmp_path / 'run'}",
+        "task=data",
+        "data.generation_backend=vllm",
+        "data.vllm.max_num_seqs=16",
+        "data.vllm.engine_args={enable_prefix_caching: false}",
+    ]
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    GlobalHydra.instance().clear()
+    run_from_config(cfg)
+    (llm,) = FakeLLM.instances
+    assert llm.kwargs["max_num_seqs"] == 16 and llm.kwargs["enable_prefix_caching"] is False
+    assert len(llm.calls) == 3 and llm.shut_down  # train, validation, held-out: one call each
+    assert len(list((tmp_path / "cache" / "data").glob("*-*"))) == 3
+
+
 # ---------------------------------------------------------------- pieces
 SETTINGS = GenerationSettings(max_new_tokens=6, sample=False, temperature=1.0, eos_token_id=0, pad_token_id=1, seed=0)
 

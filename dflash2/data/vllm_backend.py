@@ -50,7 +50,7 @@ VLLM_OPTIONS = {
     "max_num_seqs": 256,  # requests decoded side by side
     "requests_per_call": 1024,  # prompt rows per generate call: the granularity of resume shards
     "enforce_eager": False,  # True skips CUDA-graph capture (faster start, slower decoding)
-    "engine_args": {},  # any other vllm.LLM keyword argument, e.g. {enable_prefix_caching: true}
+    "engine_args": None,  # other vllm.LLM keyword arguments (a dict), e.g. {"enable_prefix_caching": True}
 }
 # Set by the backend from the target and the data config: never from engine_args.
 RESERVED_ENGINE_ARGS = ("model", "dtype", "seed", "skip_tokenizer_init", "max_model_len")
