@@ -14,7 +14,9 @@ the same length (prompts.py: no padding); its response is (n_i, R) int64 with R 
 a row's tokens up to and including its first EOS and `pad_token_id` after it (a row without EOS
 is cut at R). Batches are generated in index order, each index once per run; after every
 `generate` call the caller saves one shard per batch with `state()` (see `shard_store`), and a
-resumed run calls `resume(state of the last stored shard)` before generating the rest.
+resumed run calls `resume(state of the last stored shard)` before generating the rest. So a
+backend whose calls hold several batches (`rows_per_call`) must carry no state from batch to
+batch: vllm seeds every request from its (batch, row) instead; hf takes one batch per call.
 """
 
 from __future__ import annotations
