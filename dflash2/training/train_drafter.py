@@ -18,6 +18,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from dflash2.data.generation_backend import backend_name, release_engines
 from dflash2.data.regenerate import chat_template_of, regenerate_split
 from dflash2.data.split_record import training_data_record
 from dflash2.drafter.from_target import check_drafter_matches_target, drafter_config_for_target
@@ -112,6 +113,11 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict | None:
         root = data.get("features_dir") or cache_dir / "features"
         offline = OfflineFeatures(target, target_id=str(target_dir), features_root=Path(root))
     train_ds, val_ds = regenerate_training_data(cfg, target, common, attach=offline and offline.attach)
+    if backend_name(data) == "vllm":
+        # The engine holds most of the GPU's memory: make the held-out split (read after training) with it
+        # now, then shut it down before the drafter trains.
+        regenerate_split(target, data, split="heldout", num_prompts=_count(data["num_val_prompts"]), **common)
+        release_engines()
     target.model.cpu()
     log.info(
         f"data: {len(train_ds)} train / {len(val_ds)} validation regenerated sequences (cache {cache_dir / 'data'})"
@@ -252,6 +258,7 @@ def prepare_data(cfg: DictConfig, target_dir) -> dict:
         heldout_ds = regenerate_split(
             target, data, split="heldout", num_prompts=_count(data["num_val_prompts"]), **common
         )
+    release_engines()
     sizes = {"train": len(train_ds), "validation": len(val_ds), "heldout": len(heldout_ds), "seed": common["seed"]}
     log.info(f"data ready: {sizes} (cache {common['cache_dir'] / 'data'})")
     return sizes
