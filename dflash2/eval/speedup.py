@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from dflash2.eval import speedup_gdn
-from dflash2.eval.speedup_report import PHASES, write_results
+from dflash2.eval.speedup_report import PHASES, lossless_text, write_results
 from dflash2.runtime import Decoder, kernels
 from dflash2.runtime.cache import attention_in_use
 from dflash2.runtime.graphs import PhaseTimer
@@ -83,14 +83,26 @@ def _stats(values: list[float]) -> dict:
 
 
 # ----------------------------------------------------------------------------- (a) HF generate
+GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0}  # the sampling settings of a greedy run
+
+
+def is_sampled(sampling: dict | None) -> bool:
+    """Whether ``sampling`` (None or :data:`GREEDY`'s keys) draws tokens (temperature > 0) rather than argmaxes."""
+    return bool(sampling) and float(sampling["temperature"]) > 0
+
+
 @torch.no_grad()
-def time_hf(hf, prompts: list[list[int]], new_tokens: int, runs: int) -> dict:
-    """HF ``generate`` (greedy, its default dynamic cache), exactly ``new_tokens`` per row; left-padded batch."""
+def time_hf(hf, prompts: list[list[int]], new_tokens: int, runs: int, sampling: dict | None = None) -> dict:
+    """HF ``generate`` (its default dynamic cache), exactly ``new_tokens`` per row; left-padded batch. Greedy, or
+    sampled with ``sampling`` (temperature > 0, top_k, top_p: :data:`GREEDY`'s keys)."""
     device = hf.get_input_embeddings().weight.device
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0, temperature=None, top_p=None, top_k=None)
+    if is_sampled(sampling):
+        kw.update(do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"])
+        kw["top_k"] = sampling["top_k"] or None  # HF: None = no top-k (0 would be refused)
 
     def gen(n):
         return hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
@@ -113,14 +125,22 @@ def time_hf(hf, prompts: list[list[int]], new_tokens: int, runs: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- (b), (c) runtime
-def time_runtime(dec: Decoder, prompts, new_tokens: int, runs: int, spec: bool, progress=None) -> dict:
-    """Warm-up generation, then ``runs`` timed ones with per-phase CUDA events."""
+def time_runtime(
+    dec: Decoder, prompts, new_tokens: int, runs: int, spec: bool, progress=None, sampling=None, seed: int = 0
+) -> dict:
+    """Warm-up generation, then ``runs`` timed ones with per-phase CUDA events. Greedy, or sampled with
+    ``sampling`` (:data:`GREEDY`'s keys), every generation drawing from a generator seeded with ``seed``."""
+    sampled = is_sampled(sampling)
+    params = dict(sampling or GREEDY)
 
     def gen():
+        kw = dict(params)
+        if sampled:
+            kw["generator"] = torch.Generator(device=dec.device).manual_seed(seed)
         if spec:
-            res = dec.generate_spec(prompts, new_tokens)
+            res = dec.generate_spec(prompts, new_tokens, **kw)
             return res.sequences, res
-        return dec.generate_ar(prompts, new_tokens), None
+        return dec.generate_ar(prompts, new_tokens, **kw), None
 
     gen()  # warm-up: first uses run eagerly, second uses capture
     per_run, walls, toks, res, seqs = [], [], [], None, None
@@ -248,6 +268,8 @@ def run_speedup(
     output_dir=None,
     log=print,
     extra: dict | None = None,
+    sampling: dict | None = None,
+    seed: int = 0,
 ) -> dict:
     """Measure (a), (b), (c) for each batch size on ``pair`` (speedup_setup.Pair); write results if output_dir.
 
@@ -255,7 +277,11 @@ def run_speedup(
     the headline row, the others go to each batch row's ``other_gdn_modes``. Ignored (recorded as not
     applicable) for a target without GDN layers. gdn_bench_iters: replays per phase of the per-layer bench.
     extra: settings recorded in the results as they are (e.g. the attention backend asked for); the attention
-    that ran is recorded as ``attention`` regardless."""
+    that ran is recorded as ``attention`` regardless. sampling: None / temperature 0 = greedy (the lossless
+    check compares tokens); temperature > 0 (with top_k, top_p) samples every method, each generation from
+    a generator seeded with ``seed``: tokens/s and τ are measured, and no token comparison is made (sampled
+    outputs of two methods differ by design; the runtime's T>0 distribution is checked by
+    tests/test_runtime_sampling.py's chi-square tests)."""
     target, drafter = pair.target, pair.drafter
     device = target.embed.weight.device
     B = drafter.block_size
@@ -275,6 +301,7 @@ def run_speedup(
         "copy_bandwidth_GBps": bw / 1e9,
         "weight_bytes": wbytes,
         "bound_ms_per_step": bound_ms,
+        "sampling": dict(sampling or GREEDY),
         **(extra or {}),
         "attention": attention_in_use(device),  # what decode blocks ran (prefill: SDPA), fallbacks applied
         "gdn": speedup_gdn.summary(target, gdn_modes, modes, B),
@@ -286,7 +313,7 @@ def run_speedup(
     rows = {N: {} for N in batch_sizes}
     for N in batch_sizes:
         if pair.hf is not None and hf_new_tokens > 0:  # HF's own GDN path: the same for every mode
-            rows[N]["hf"] = time_hf(pair.hf, prompts_of[N], hf_new_tokens, runs)
+            rows[N]["hf"] = time_hf(pair.hf, prompts_of[N], hf_new_tokens, runs, sampling)
     progress = _progress(len(batch_sizes) * 2 * runs * max(1, len(modes)))
     first_ar = {}  # batch -> the headline mode's AR sequences: every mode is compared with them
     for i, mode in enumerate(modes or [None]):  # None: not a hybrid, one pass with the target as it is
@@ -296,10 +323,12 @@ def run_speedup(
             dec = Decoder(target, drafter, max_len=max_len)  # new states (and graphs) in this mode
             for N in batch_sizes:
                 prompts = prompts_of[N]
-                sub = _measure_mode(dec, prompts, max_new_tokens, runs, bound_ms, wbytes, predict_taus, progress)
+                sub = _measure_mode(
+                    dec, prompts, max_new_tokens, runs, bound_ms, wbytes, predict_taus, progress, sampling, seed
+                )
                 if mode is not None:
                     first_ar.setdefault(N, sub["ar"]["sequences"])
-                    sub["first_mode"] = cross_mode(target, prompts, first_ar[N], sub)
+                    sub["first_mode"] = cross_mode(target, prompts, first_ar[N], sub, is_sampled(sampling))
                     sub["gdn_layer"] = speedup_gdn.layer_cost(target, mode, N, B, iters=gdn_bench_iters)
                 if i == 0:
                     rows[N].update(sub, gdn_mode=mode)
@@ -314,7 +343,9 @@ def run_speedup(
                     with kernels.kernels(False):
                         plain = Decoder(target, None, max_len=max_len)
                         results["ablation_ar_batch1_no_fused_kernels"] = {
-                            **_strip(time_runtime(plain, pair.prompts[:1], max_new_tokens, runs, spec=False)),
+                            **_strip(
+                                time_runtime(plain, pair.prompts[:1], max_new_tokens, runs, False, None, sampling, seed)
+                            ),
                             "gdn_mode": mode,
                             "attention": attention_in_use(device),
                         }
@@ -325,7 +356,7 @@ def run_speedup(
     if progress is not None:
         progress.close()
     for N, row in rows.items():
-        if "hf" in row:
+        if "hf" in row and not is_sampled(sampling):
             n = row["hf"]["new_tokens"]
             hf_ar = zip(row["hf"]["sequences"], row["ar"]["sequences"])
             row["hf_prefix_equals_ar"] = [h[:n] == a[:n] for h, a in hf_ar]
@@ -339,12 +370,16 @@ def run_speedup(
     return results
 
 
-def _measure_mode(dec, prompts, max_new_tokens, runs, bound_ms, wbytes, predict_taus, progress) -> dict:
-    """(b) and (c) on one Decoder (one GDN mode), their lossless flag and ratios: one (sub-)row."""
-    ar = time_runtime(dec, prompts, max_new_tokens, runs, spec=False, progress=progress)
-    spec = time_runtime(dec, prompts, max_new_tokens, runs, spec=True, progress=progress)
+def _measure_mode(
+    dec, prompts, max_new_tokens, runs, bound_ms, wbytes, predict_taus, progress, sampling=None, seed=0
+) -> dict:
+    """(b) and (c) on one Decoder (one GDN mode), their lossless flag and ratios: one (sub-)row. Sampled runs
+    (temperature > 0) have no token-level lossless flag: ``lossless`` is None there."""
+    timed = dict(runs=runs, progress=progress, sampling=sampling, seed=seed)
+    ar = time_runtime(dec, prompts, max_new_tokens, spec=False, **timed)
+    spec = time_runtime(dec, prompts, max_new_tokens, spec=True, **timed)
     step, spec_step = ar["ms_per_step"]["median"], spec["ms_per_step"]["median"]
-    lossless = spec["sequences"] == ar["sequences"]
+    lossless = None if is_sampled(sampling) else spec["sequences"] == ar["sequences"]
     return {
         "ar": ar,
         "spec": spec,
@@ -352,18 +387,24 @@ def _measure_mode(dec, prompts, max_new_tokens, runs, bound_ms, wbytes, predict_
         "ar_weight_GBps": wbytes / step / 1e6,
         "verify_over_ar_step": spec["phases_ms"]["verify"]["median"] / step,
         "lossless": lossless,
-        "divergence": None if lossless else first_divergence(dec.model, prompts, ar["sequences"], spec["sequences"]),
+        "divergence": None
+        if lossless is not False
+        else first_divergence(dec.model, prompts, ar["sequences"], spec["sequences"]),
         "speedup_measured": spec["tokens_per_s"]["median"] / ar["tokens_per_s"]["median"],
         "predicted": [{"tau": t, "speedup": t * step / spec_step, "label": "prediction"} for t in predict_taus],
     }
 
 
-def cross_mode(model, prompts, first_ar, sub: dict) -> dict:
+def cross_mode(model, prompts, first_ar, sub: dict, sampled: bool = False) -> dict:
     """Whether a mode's AR and spec outputs equal the first mode's AR output token for token, and the first
     divergence of each (both tokens and their logit margin) where not. Modes differ only in how GDN states
-    are kept, so a difference is either rounding (a near-tie margin) or a state bug."""
+    are kept, so a difference is either rounding (a near-tie margin) or a state bug. Sampled runs: None
+    (not compared)."""
     out = {}
     for key in ("ar", "spec"):
+        if sampled:
+            out[f"{key}_equals_first_mode_ar"] = out[f"{key}_divergence"] = None
+            continue
         seqs = sub[key]["sequences"]
         equal = seqs == first_ar
         out[f"{key}_equals_first_mode_ar"] = equal
@@ -391,5 +432,5 @@ def _row_line(N: int, row: dict, bound_ms: float, mode: str | None = None) -> st
     return (
         f"batch {N}{gdn}: {hf}AR {ar['ms_per_step']['median']:.3f} ms/step ({row['ar_fraction_of_bound']:.0%} of bound "
         f"{bound_ms:.3f}), spec {spec['ms_per_step']['median']:.3f} ms/step tau {spec['tau']:.2f}, "
-        f"verify/AR {row['verify_over_ar_step']:.2f}, lossless {row['lossless']}"
+        f"verify/AR {row['verify_over_ar_step']:.2f}, lossless {lossless_text(row['lossless'])}"
     )

@@ -68,6 +68,7 @@ def run(cfg) -> dict:
         set_attention_backend(cfg.attention)
     except ValueError as e:
         raise DFlash2Error(f"attention={cfg.attention}: {e}") from None
+    sampling = sampling_settings(cfg)
     pair = build_pair(cfg)
     taus = [float(t) for t in cfg.predict_taus] if pair.random else []
     results = run_speedup(
@@ -83,6 +84,8 @@ def run(cfg) -> dict:
         gdn_modes=modes,
         output_dir=cfg.paths.output_dir,
         extra={"attention_setting": cfg.attention or "default"},  # results["attention"]: what ran
+        sampling=sampling,
+        seed=int(cfg.seed),
     )
     print(f"results in {cfg.paths.output_dir}")
     return results
@@ -113,3 +116,11 @@ def main() -> None:
             sys.exit(2)
 
     _app()
+
+
+def sampling_settings(cfg) -> dict:
+    """temperature / top_k / top_p from the config, checked (temperature 0: greedy, the lossless check)."""
+    t, k, p = float(cfg.get("temperature", 0.0)), int(cfg.get("top_k", 0)), float(cfg.get("top_p", 1.0))
+    if t < 0 or k < 0 or not 0 < p <= 1:
+        raise DFlash2Error(f"temperature={t} top_k={k} top_p={p}: need temperature ≥ 0, top_k ≥ 0, 0 < top_p ≤ 1")
+    return {"temperature": t, "top_k": k, "top_p": p}

@@ -193,12 +193,12 @@ def markdown_lines(results: dict) -> list[str]:
     for N, row in results["batches"].items():
         for mode, sub in mode_rows(row):
             c, x = sub["gdn_layer"], sub["first_mode"]
-            same = "/".join("yes" if x[f"{k}_equals_first_mode_ar"] else "NO" for k in ("ar", "spec"))
+            same = "/".join(_same_text(x[f"{k}_equals_first_mode_ar"]) for k in ("ar", "spec"))
             lines.append(
                 f"| {N} | {mode} | {_us(c['verify_us'])} | {_us(c['commit_us'])} | {_us(c['total_us'])} "
                 f"| {_size(c['spec_bytes_per_request'])} | {_size(c['state_bytes_per_request'])} "
                 f"| {sub['ar']['tokens_per_s']['median']:.1f} | {sub['spec']['tokens_per_s']['median']:.1f} "
-                f"| {'true' if sub['lossless'] else 'FALSE'} | {same} |"
+                f"| {_same_text(sub['lossless'], 'true', 'FALSE')} | {same} |"
             )
             notes += [
                 f"- batch {N}, {mode} {k} vs first mode's AR: {json.dumps(x[f'{k}_divergence'])}"
@@ -217,3 +217,8 @@ def markdown_lines(results: dict) -> list[str]:
                 f"replay ÷ native {tps:.2f}×"
             )
     return [*lines, "", *notes] if notes else lines
+
+
+def _same_text(flag: bool | None, yes: str = "yes", no: str = "NO") -> str:
+    """A comparison flag for the table: None (a sampled run, where tokens are not compared) as n/a."""
+    return "n/a" if flag is None else (yes if flag else no)

@@ -54,7 +54,7 @@ def markdown(results: dict) -> str:
             tau = f"{r['tau']:.2f}" if "tau" in r else "1"
             gbps = results["weight_bytes"] / ms / 1e6
             frac = f"{bound / ms:.0%}" if key != "spec" else "—"
-            lossless = "" if key != "spec" else ("true" if lossless_of["lossless"] else "FALSE")
+            lossless = "" if key != "spec" else lossless_text(lossless_of["lossless"])
             lines.append(
                 f"| {N} | {name} | {_fmt(r['ms_per_step'], 3)} | {_fmt(r['tokens_per_s'], 1)} | {tau} | "
                 f"{gbps:.4g} | {frac} | {lossless} |"
@@ -148,3 +148,8 @@ def _json_default(x):
     if isinstance(x, float) and math.isnan(x):
         return None
     return str(x)
+
+
+def lossless_text(flag: bool | None) -> str:
+    """A lossless flag as the tables print it: None (a sampled run: no token comparison) as n/a."""
+    return "n/a (sampled)" if flag is None else ("true" if flag else "FALSE")
