@@ -187,30 +187,38 @@ def test_tensor_prompts_and_bad_inputs(runtimes):
 @pytest.mark.cuda
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_one_host_sync_per_step_on_the_gpu(runtimes, hf_targets, monkeypatch, temperature):
-    """Between two polls of the loop condition, nothing may synchronise with the host: CUDA's sync
-    debug mode raises on any synchronising call (item(), tolist(), nonzero, ...) while a step runs."""
-    import dflash2.runtime.engine as engine
+    """Between two reads of the loop's poll (poll.py: the prefill's pair, then each step's pair one step
+    late), nothing may synchronise with the host: CUDA's sync debug mode raises on any synchronising call
+    (item(), tolist(), nonzero, a copy into pageable memory, ...) while the steps are launched."""
+    from dflash2.runtime.poll import LaggedPoll
 
     target, _, full = runtimes["qwen3_5"]
     model = load_model(hf_targets["qwen3_5"][1], device="cuda", target_layer_ids=TAPS)
     drafter = RuntimeDrafter(nontrivial_dflash2(spec_drafter(target, 8, v2=True, seed=2)).cuda(), model)
-    polls, poll = [], engine._poll
+    reads, start, read = [], LaggedPoll.start, LaggedPoll._read
 
-    def strict_poll(active, lengths):
-        torch.cuda.set_sync_debug_mode(0)  # the one read of the step
-        out = poll(active, lengths)
-        polls.append(out)
-        if out[0]:
-            torch.cuda.set_sync_debug_mode("error")  # the whole next step must run without another
-        return out
+    def strict(fn):
+        def wrapped(self, *args):
+            torch.cuda.set_sync_debug_mode(0)  # the one read of a step
+            out = fn(self, *args)
+            reads.append(out)
+            if out if isinstance(out, bool) else out[0]:  # a row is active: steps follow, none may sync
+                torch.cuda.set_sync_debug_mode("error")
+            return out
 
-    monkeypatch.setattr(engine, "_poll", strict_poll)
+        return wrapped
+
+    monkeypatch.setattr(LaggedPoll, "start", strict(start))
+    monkeypatch.setattr(LaggedPoll, "_read", strict(read))
     try:
         res = generate_spec(model, drafter, PROMPTS, 30, temperature=temperature)
+        spec_reads = len(reads)
         ar = generate_ar(model, PROMPTS, 30, temperature=temperature)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert len(polls) == max(res.steps) + 1 + 30  # spec steps + the final poll, AR: 29 steps + 1
+    # the prefill's pair, then one per step that had an active row (lag 1 on CUDA: the pair of the last of
+    # them, read after one more step was launched, says that none is left); AR: 29 steps after the prefill
+    assert spec_reads == 1 + max(res.steps) and len(reads) - spec_reads == 1 + 29
     if temperature == 0:
         assert res.sequences == ar == _expected(full, PROMPTS, 30)
 

@@ -11,7 +11,8 @@ drafter context: the taps of those positions), and rows that finished (EOS or th
 token budget) keep taking part in the fixed-shape forwards but commit and emit
 nothing, so they never stall the others. The step has no loop over rows and reads
 one small tensor back per step (whether any row is active, and the longest row,
-which picks how much of the caches attention reads).
+which picks how much of the caches attention reads), on CUDA one step late so that
+the host never waits for the step it just launched (poll.py).
 
 :class:`Decoder` keeps, per batch bucket, a *slot*: the target's caches, the drafter
 context and every loop buffer (last token, counts, budgets, EOS ids, output, step
@@ -41,6 +42,7 @@ from dflash2.decoding.sampling import SamplingParams, warp_probs
 from dflash2.errors import DFlash2Error
 from dflash2.runtime.drafter import RuntimeDrafter
 from dflash2.runtime.graphs import BATCH_BUCKETS, PhaseGraphs, batch_bucket
+from dflash2.runtime.poll import LaggedPoll
 from dflash2.runtime.sampling import Proposal
 from dflash2.runtime.step import accept_greedy, accept_sampled, choose, emit, finish_step, prefill
 
@@ -69,12 +71,6 @@ def _kv_len(longest: int, T: int, max_len: int, bucket: int = KV_BUCKET) -> int:
     return min(max_len, -(-(longest + T) // bucket) * bucket)
 
 
-def _poll(active: torch.Tensor, lengths: torch.Tensor) -> tuple[bool, int]:
-    """The step's one host read: (any row active, longest committed row)."""
-    any_active, longest = torch.stack([active.any().long(), lengths.max()]).tolist()
-    return bool(any_active), int(longest)
-
-
 class Slot:
     """What one batch bucket of Nb rows keeps between generations (all at fixed addresses).
 
@@ -85,8 +81,9 @@ class Slot:
     per step (was active, accepted drafts, emitted) with its device counter ``step`` (1,).
     """
 
-    def __init__(self, model, drafter, Nb: int, max_len: int, graphs: PhaseGraphs):
+    def __init__(self, model, drafter, Nb: int, max_len: int, graphs: PhaseGraphs, poll_lag: int = 0):
         device = model.embed.weight.device
+        self.poll = LaggedPoll(device, poll_lag)  # the loop's host read (poll.py)
         B = drafter.block_size if drafter is not None else 1
         self.batch, self.max_len, self.graphs = Nb, max_len, graphs
         self.state = model.new_state(Nb, max_len)
@@ -165,6 +162,8 @@ class Decoder:
     or None (AR only). max_len: positions a slot holds (prompt + new tokens + a block must fit).
     graphs: capture the phases as CUDA graphs (default: on CUDA devices). pad: run N rows in the slot of
     ``batch_bucket(N)`` (default: with graphs; eagerly a slot of exactly N rows wastes no work).
+    poll_lag: steps between a step and the host's read of its (any active, longest row) (poll.py;
+    default 1 on CUDA, so the host never waits for the step it just launched, 0 on the CPU).
     Attributes set by callers: ``timer`` (a :class:`~dflash2.runtime.graphs.PhaseTimer` or None) and
     ``on_step`` (called with the slot after each step: progress bars, tests).
     """
@@ -178,6 +177,7 @@ class Decoder:
         graphs: bool | None = None,
         pad: bool | None = None,
         buckets=BATCH_BUCKETS,
+        poll_lag: int | None = None,
     ):
         if drafter is not None and not hasattr(drafter, "propose"):  # a DFlashDrafter or its folder
             drafter = RuntimeDrafter(drafter, model)
@@ -188,6 +188,9 @@ class Decoder:
         if self.graphs and not cuda:
             raise DFlash2Error("graphs=True needs a CUDA target; pass graphs=False (or None) on the CPU")
         self.buckets = buckets
+        # the host reads a step's (any active, longest) this many steps late (poll.py): on CUDA one step, so
+        # that the GPU always has the next step queued; on the CPU nothing runs ahead of the host anyway
+        self.poll_lag = (1 if cuda else 0) if poll_lag is None else int(poll_lag)
         self.pad = self.graphs if pad is None else bool(pad)
         self.kv_bucket = GRAPH_KV_BUCKET if self.graphs else KV_BUCKET
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
@@ -209,7 +212,7 @@ class Decoder:
         Nb = batch_bucket(N, self.buckets) if self.pad else N
         if Nb not in self.slots:
             graphs = PhaseGraphs(self.graphs, self._pool, generators=() if self._rng is None else (self._rng,))
-            self.slots[Nb] = Slot(self.model, self.drafter, Nb, self.max_len, graphs)
+            self.slots[Nb] = Slot(self.model, self.drafter, Nb, self.max_len, graphs, self.poll_lag)
         return self.slots[Nb]
 
     def _begin(self, prompts, max_new_tokens: int, eos_token_id, extra: int):
@@ -255,16 +258,17 @@ class Decoder:
             self.timer.done(name)
 
     def _loop(self, s: Slot, T: int, step_fn) -> None:
-        """Poll, then one step, until no row is active (the poll is the step's one host read)."""
-        while True:
-            any_active, longest = _poll(s.active, s.state.lengths)
-            if not any_active:
-                break
+        """Steps until no row is active. The host's one read per step is (any row active, longest row) of the
+        step ``poll_lag`` steps back (poll.py): attention reads up to a bound of the longest row, and the last
+        ``poll_lag`` steps run with every row finished (they commit and emit nothing)."""
+        go = s.poll.start(s.active, s.state.lengths)
+        while go:
             if self.timer is not None:
                 self.timer.begin_step()
-            step_fn(_kv_len(longest, T, self.max_len, self.kv_bucket))
+            step_fn(_kv_len(s.poll.longest_bound(T), T, self.max_len, self.kv_bucket))
             if self.on_step is not None:
                 self.on_step(s)
+            go = s.poll.after_step(s.active, s.state.lengths)
 
     # ------------------------------------------------------------------ phases (functions of the slot)
     def _commit(self, s: Slot, T: int, spec: bool) -> None:
