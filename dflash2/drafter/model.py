@@ -22,6 +22,7 @@ from dflash2.drafter.config import DrafterConfig
 from dflash2.drafter.initialisation import draw_seed, initialise_drafter
 from dflash2.drafter.local_conv import BlockLocalConv
 from dflash2.drafter.masks import context_padding_mask, dense_block_mask, flex_block_mask, sliding_window_mask
+from dflash2.drafter.rms_norm import rms_norm
 from dflash2.drafter.selector import CandidateSelector, scale_logits
 
 
@@ -32,10 +33,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # fp32 statistics and product, one rounding back to the input dtype (bf16-safe)
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        # fp32 statistics and product, one rounding back to the input dtype (bf16-safe): rms_norm_reference's
+        # values and gradients, in fewer passes over the activation and keeping less of it (rms_norm.py)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
