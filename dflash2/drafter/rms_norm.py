@@ -19,8 +19,8 @@ casts in its profile.
 * a bf16 operand meets an fp32 one inside one operation (type promotion computes ``float(x) · r`` exactly
   as ``x32 · r``), so float copies of x and of the incoming gradient are never stored;
 * the last product of the forward and the last sum of the backward write straight into the bf16 result
-  (``out=``: on CUDA the fp32 value is rounded as it is stored, one pass instead of a product and a cast;
-  on the CPU torch computes into an fp32 temporary and casts it, the same values);
+  (``rounded_ops``: on CUDA the fp32 value is rounded as it is stored, one pass instead of a product and
+  a cast);
 * the gradient of mean and pow, ``(g_m / d)`` broadcast times ``2·x32``, is taken as ``x32 · (2·(g_m / d))``
   with the division and the doubling on the (..., 1) tensor: doubling is exact in binary floating point,
   so the product is the same number and rounds the same;
@@ -41,6 +41,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from dflash2.drafter.rounded_ops import product_as, sum_as
+
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The drafter's RMSNorm as plain tensor operations (the reference): x (..., d), weight (d,) -> (..., d) in
@@ -56,21 +58,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _RMSNorm.apply(x, x if x.dtype == torch.float32 else None, weight, float(eps))
 
 
-def _product_as(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, in_place: bool = False) -> torch.Tensor:
-    """``(a * b).to(dtype)`` (a, b fp32) in one pass where torch can: into a ``dtype`` result, or into a when
-    ``in_place`` and dtype is fp32."""
-    if dtype == torch.float32:
-        return a.mul_(b) if in_place else a * b
-    return torch.mul(a, b, out=torch.empty(torch.broadcast_shapes(a.shape, b.shape), dtype=dtype, device=a.device))
-
-
-def _sum_as(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``(a + b).to(dtype)`` (a, b fp32 of one shape) in one pass where torch can."""
-    if dtype == torch.float32:
-        return a.add_(b)  # a is a temporary of the caller's
-    return torch.add(a, b, out=torch.empty(a.shape, dtype=dtype, device=a.device))
-
-
 class _RMSNorm(torch.autograd.Function):
     """Inputs: x (..., d) any float dtype, ``x_again``: x itself (its second gradient part goes there) or None
     (both parts summed into x's gradient), weight (d,), eps. Output (..., d) in x's dtype."""
@@ -81,7 +68,7 @@ class _RMSNorm(torch.autograd.Function):
         r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
         fresh = x32 is not x
         y = x32.mul_(r) if fresh else x32 * r
-        out = _product_as(y, weight.float(), x.dtype, in_place=True)
+        out = product_as(y, weight.float(), x.dtype, in_place=True)
         ctx.save_for_backward(x, weight, r)
         ctx.split = x_again is not None
         return out
@@ -115,4 +102,4 @@ class _RMSNorm(torch.autograd.Function):
         through_mean = torch.mul(x, twice_mean_grad)
         if ctx.split:  # fp32 x: autograd adds the parts, in the reference's order (y's part first)
             return direct, through_mean, grad_weight, None
-        return _sum_as(direct, through_mean, x.dtype), None, grad_weight, None
+        return sum_as(direct, through_mean, x.dtype, in_place=True), None, grad_weight, None
