@@ -270,8 +270,13 @@ class DFlashDrafter(nn.Module):
         """taps (N, L, K·d_t) concatenated target features, any float dtype -> c (N, L, d).
 
         The taps are cast to the drafter's own dtype: a bf16 target feeds an fp32 drafter
-        in training (fp32 master weights) and a bf16 or fp32 one when served."""
-        return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
+        in training (fp32 master weights) and a bf16 or fp32 one when served. Under autocast
+        (bf16-mixed training) ``fc`` casts its input to the autocast dtype itself, and a tap
+        cast to fp32 first rounds back to the same value there, so the taps go in as they are:
+        no fp32 copy of the (N, L, K·d_t) taps, the same result."""
+        if not torch.is_autocast_enabled(taps.device.type):
+            taps = taps.to(self.fc.weight.dtype)
+        return self.hidden_norm(self.fc(taps))
 
     def embed_block(self, ids: torch.Tensor, embed_fn: Callable) -> torch.Tensor:
         """Block ids (N, S) -> (N, S, d): the target's frozen embedding times ``input_embedding_scale`` (§3.4)."""
