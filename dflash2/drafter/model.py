@@ -21,7 +21,13 @@ from torch import nn
 from dflash2.drafter.config import DrafterConfig
 from dflash2.drafter.initialisation import draw_seed, initialise_drafter
 from dflash2.drafter.local_conv import BlockLocalConv
-from dflash2.drafter.masks import context_padding_mask, dense_block_mask, flex_block_mask, sliding_window_mask
+from dflash2.drafter.masks import (
+    compiled,
+    context_padding_mask,
+    dense_block_mask,
+    flex_block_mask,
+    sliding_window_mask,
+)
 from dflash2.drafter.rms_norm import rms_norm
 from dflash2.drafter.selector import CandidateSelector, scale_logits
 
@@ -59,21 +65,16 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-_FLEX = {}
-
-
 def _flex_attention(q, k, v, block_mask):
-    """flex_attention, compiled once per device type on CUDA (eager elsewhere: unfused, no
-    backward; the CPU tests' forward only).
+    """flex_attention, compiled once per process on CUDA, with symbolic lengths (``masks.compiled``: one
+    compile for every context length); eager elsewhere: unfused, no backward; the CPU tests' forward only.
 
     q (N, H, S, hd), k/v (N, Hkv, L+S, hd) -> (N, H, S, hd). GQA by enable_gqa: the kernel
     maps each query head to its kv head, no (N, H, L+S, hd) copy of k and v."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    key = q.is_cuda
-    if key not in _FLEX:
-        _FLEX[key] = torch.compile(flex_attention) if q.is_cuda else flex_attention
-    return _FLEX[key](q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    fn = compiled("flex_attention") if q.is_cuda else flex_attention
+    return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class Attention(nn.Module):
