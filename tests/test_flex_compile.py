@@ -36,6 +36,21 @@ def test_the_compiled_functions_are_built_once():
     assert compiled("flex_attention") is compiled("flex_attention")
 
 
+@pytest.mark.parametrize("env,dynamic", [(None, True), ("1", True), ("0", None)])
+def test_symbolic_lengths_unless_the_environment_says_otherwise(monkeypatch, env, dynamic):
+    import dflash2.drafter.masks as masks
+
+    seen = []
+    monkeypatch.setattr(masks, "_COMPILED", {})
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    if env is None:
+        monkeypatch.delenv("DFLASH2_FLEX_DYNAMIC", raising=False)
+    else:
+        monkeypatch.setenv("DFLASH2_FLEX_DYNAMIC", env)
+    compiled("flex_attention")
+    assert seen == [{"dynamic": dynamic}]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("window", [None, 5])
 def test_one_compiled_mask_builder_serves_every_length_and_equals_the_eager_one(window):

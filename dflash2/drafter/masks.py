@@ -100,11 +100,16 @@ def compiled(name: str):
     (tests/test_flex_compile.py); nothing is recompiled per step at fixed shapes either way (the mask_mod
     is a new closure every step, but torch.compile guards a closure by its code, not its identity).
     Built once here, not per call: ``create_block_mask(..., _compile=True)`` wraps a new compiled function
-    at every call (and is deprecated)."""
+    at every call (and is deprecated). ``DFLASH2_FLEX_DYNAMIC=0`` in the environment compiles them as
+    before (torch's default: static, then symbolic after the first change), a fallback should a torch
+    version's symbolic flex kernels misbehave."""
     if name not in _COMPILED:
+        import os
+
         from torch.nn.attention import flex_attention as fa
 
-        _COMPILED[name] = torch.compile(getattr(fa, name), dynamic=True)
+        dynamic = None if os.environ.get("DFLASH2_FLEX_DYNAMIC", "1") == "0" else True
+        _COMPILED[name] = torch.compile(getattr(fa, name), dynamic=dynamic)
     return _COMPILED[name]
 
 
