@@ -139,6 +139,24 @@ def test_a_bf16_mixed_run_with_clipping_trains_with_a_fused_optimiser(tmp_path, 
         assert losses["fused"][step] == pytest.approx(losses["for_loop"][step], rel=1e-2), step
 
 
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("drafter.optimizer_impl=adam8bit", "optimizer_impl='adam8bit' must be one of auto, fused, foreach, for_loop"),
+        ("data.pin_memory=yes", "data.pin_memory='yes' must be auto, true or false"),
+    ],
+)
+def test_a_bad_setting_stops_the_run_in_one_line_before_any_data(tmp_path, micro_train_overrides, override, needle):
+    from test_train_drafter import compose_run
+
+    from dflash2.training.run import run_from_config
+
+    with pytest.raises(DFlash2Error, match=needle) as err:
+        run_from_config(compose_run(tmp_path, [*micro_train_overrides, override]))
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "run" / "drafter").exists()
+
+
 @pytest.mark.cuda
 def test_auto_builds_a_fused_adamw_on_cuda(make_spec_target, make_spec_drafter):
     target = make_spec_target("qwen3")

@@ -110,15 +110,15 @@ class DrafterTrainingModule(L.LightningModule):
     def on_fit_start(self) -> None:
         self._sync_target_device()
 
+    def on_validation_start(self) -> None:
+        self._sync_target_device()
+
     def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
         """Lightning's copy of a batch to the device, except for a pinned batch bound for a GPU
         (data.pin_memory): copied on a side stream, beside the previous step's kernels (batch_transfer.py)."""
         if copies_beside_compute(batch, device):
             return copy_beside_compute(batch, device, self._copy_streams)
         return super().transfer_batch_to_device(batch, device, dataloader_idx)
-
-    def on_validation_start(self) -> None:
-        self._sync_target_device()
 
     @property
     def block_size(self) -> int:
