@@ -86,6 +86,33 @@ def block_mask_mod(
     return mask_mod
 
 
+_COMPILED: dict = {}  # name -> the torch.compile'd function, built once per process (see compiled())
+
+
+def compiled(name: str):
+    """flex_attention / create_block_mask, ``torch.compile``d once per process with ``dynamic=True``.
+
+    Why dynamic: a training batch is padded to its longest sequence, so the context length L (and with it
+    the key length L + S and the block mask's tile tables) changes from batch to batch. Compiled for static
+    shapes, the first change makes torch.compile compile everything again with symbolic lengths
+    (automatic dynamic shapes): two cold compiles of the mask builder and of the flex forward and backward
+    kernels instead of one. Compiled dynamic from the start, one graph serves every length
+    (tests/test_flex_compile.py); nothing is recompiled per step at fixed shapes either way (the mask_mod
+    is a new closure every step, but torch.compile guards a closure by its code, not its identity).
+    Built once here, not per call: ``create_block_mask(..., _compile=True)`` wraps a new compiled function
+    at every call (and is deprecated). ``DFLASH2_FLEX_DYNAMIC=0`` in the environment compiles them as
+    before (torch's default: static, then symbolic after the first change), a fallback should a torch
+    version's symbolic flex kernels misbehave."""
+    if name not in _COMPILED:
+        import os
+
+        from torch.nn.attention import flex_attention as fa
+
+        dynamic = None if os.environ.get("DFLASH2_FLEX_DYNAMIC", "1") == "0" else True
+        _COMPILED[name] = torch.compile(getattr(fa, name), dynamic=dynamic)
+    return _COMPILED[name]
+
+
 def flex_block_mask(
     anchors: torch.Tensor,
     anchor_valid: torch.Tensor,
@@ -102,8 +129,8 @@ def flex_block_mask(
     flex_attention skip fully-masked 128x128 tiles (most of them: blocks never see each
     other, and sorted anchors leave early blocks without the late context).
 
-    ``compile_mask`` (None = on CUDA): build it with ``torch.compile``. Uncompiled,
-    ``create_block_mask`` evaluates the mask_mod on the whole (N, 1, S, L+S) index grid
+    ``compile_mask`` (None = on CUDA): build it with the compiled ``create_block_mask`` (``compiled``).
+    Uncompiled, ``create_block_mask`` evaluates the mask_mod on the whole (N, 1, S, L+S) index grid
     with int64 intermediates, transiently larger than the dense bool mask it replaces;
     compiled, it works tile by tile. Eager on CPU (tests: small shapes, no compiler).
     Imported lazily: only training with flex needs it.
@@ -114,10 +141,9 @@ def flex_block_mask(
     S = A * block_size
     if compile_mask is None:
         compile_mask = anchors.is_cuda
+    create = compiled("create_block_mask") if compile_mask else create_block_mask
     mod = block_mask_mod(anchors, anchor_valid, context_len, block_size, window)
-    return create_block_mask(
-        mod, B=N, H=None, Q_LEN=S, KV_LEN=context_len + S, device=anchors.device, _compile=compile_mask
-    )
+    return create(mod, B=N, H=None, Q_LEN=S, KV_LEN=context_len + S, device=anchors.device)
 
 
 def block_mask_sparsity(block_mask) -> float:

@@ -21,7 +21,14 @@ from torch import nn
 from dflash2.drafter.config import DrafterConfig
 from dflash2.drafter.initialisation import draw_seed, initialise_drafter
 from dflash2.drafter.local_conv import BlockLocalConv
-from dflash2.drafter.masks import context_padding_mask, dense_block_mask, flex_block_mask, sliding_window_mask
+from dflash2.drafter.masks import (
+    compiled,
+    context_padding_mask,
+    dense_block_mask,
+    flex_block_mask,
+    sliding_window_mask,
+)
+from dflash2.drafter.rms_norm import rms_norm
 from dflash2.drafter.selector import CandidateSelector, scale_logits
 
 
@@ -32,10 +39,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # fp32 statistics and product, one rounding back to the input dtype (bf16-safe)
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        # fp32 statistics and product, one rounding back to the input dtype (bf16-safe): rms_norm_reference's
+        # values and gradients, in fewer passes over the activation and keeping less of it (rms_norm.py)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -59,21 +65,16 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-_FLEX = {}
-
-
 def _flex_attention(q, k, v, block_mask):
-    """flex_attention, compiled once per device type on CUDA (eager elsewhere: unfused, no
-    backward; the CPU tests' forward only).
+    """flex_attention, compiled once per process on CUDA, with symbolic lengths (``masks.compiled``: one
+    compile for every context length); eager elsewhere: unfused, no backward; the CPU tests' forward only.
 
     q (N, H, S, hd), k/v (N, Hkv, L+S, hd) -> (N, H, S, hd). GQA by enable_gqa: the kernel
     maps each query head to its kv head, no (N, H, L+S, hd) copy of k and v."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    key = q.is_cuda
-    if key not in _FLEX:
-        _FLEX[key] = torch.compile(flex_attention) if q.is_cuda else flex_attention
-    return _FLEX[key](q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    fn = compiled("flex_attention") if q.is_cuda else flex_attention
+    return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class Attention(nn.Module):
@@ -270,8 +271,13 @@ class DFlashDrafter(nn.Module):
         """taps (N, L, K·d_t) concatenated target features, any float dtype -> c (N, L, d).
 
         The taps are cast to the drafter's own dtype: a bf16 target feeds an fp32 drafter
-        in training (fp32 master weights) and a bf16 or fp32 one when served."""
-        return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
+        in training (fp32 master weights) and a bf16 or fp32 one when served. Under autocast
+        (bf16-mixed training) ``fc`` casts its input to the autocast dtype itself, and a tap
+        cast to fp32 first rounds back to the same value there, so the taps go in as they are:
+        no fp32 copy of the (N, L, K·d_t) taps, the same result."""
+        if not torch.is_autocast_enabled(taps.device.type):
+            taps = taps.to(self.fc.weight.dtype)
+        return self.hidden_norm(self.fc(taps))
 
     def embed_block(self, ids: torch.Tensor, embed_fn: Callable) -> torch.Tensor:
         """Block ids (N, S) -> (N, S, d): the target's frozen embedding times ``input_embedding_scale`` (§3.4)."""

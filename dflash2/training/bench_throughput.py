@@ -16,11 +16,17 @@ from; ``--rows`` sequences per step (default 2 at the 8B shape).
 
 What is timed is the training step of ``train.py``'s ``DrafterTrainingModule`` (built by
 ``train_drafter.training_module`` from the composed drafter settings), in the order Lightning's
-automatic optimisation runs it: the batch copied to the device (what Lightning does with each loader
-batch; the stored taps too, for offline features), ``training_step`` (under bf16 autocast on CUDA, as
-``trainer.precision=bf16-mixed``; fp32 on the CPU, as ``trainer=cpu``), ``zero_grad``, backward,
-gradient-norm clipping at ``drafter.grad_clip``, AdamW and the scheduler step. Not timed: Lightning's
-loop itself (its logging into the result collection, callbacks, progress bar) and the data loader.
+automatic optimisation runs it: the batch copied to the device by the module's
+``transfer_batch_to_device``, as Lightning does with each loader batch (the stored taps too, for offline
+features; on a GPU the batches are in page-locked memory, as ``data.pin_memory=auto`` leaves them, and
+go on a side stream; ``--pin-memory false``: pageable, the copy before that option), ``training_step``
+(on CUDA under Lightning's own bf16-mixed autocast; fp32 on the CPU, as ``trainer=cpu``), ``zero_grad``,
+backward, gradient-norm clipping at ``drafter.grad_clip``, AdamW (``drafter.optimizer_impl``: fused on
+CUDA by default; the row's ``optimizer`` says which) and the scheduler step. Not timed: Lightning's loop
+itself (its logging into the result collection, callbacks, progress bar) and the data loader (nor its
+pinning: a loader thread). ``--set KEY=VALUE`` overrides a key of the drafter config group as
+``drafter.KEY=VALUE`` does for ``train.py`` (e.g. ``--set optimizer_impl=foreach`` for the previous
+optimiser).
 
 Variants, one row each (``--attention``, ``--ce``, ``--features`` pick a subset):
 
@@ -141,6 +147,7 @@ def measure(bench: Bench, variant: Variant, a: argparse.Namespace, peak: float |
     device = bench.device
     total = a.warmup + a.repeats * a.steps + (1 if profile else 0)
     runner = StepRunner(bench, variant, total)
+    runner_impl = runner.optimizer_impl  # fused | foreach | for_loop: what drafter.optimizer_impl resolved to
     try:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -176,6 +183,7 @@ def measure(bench: Bench, variant: Variant, a: argparse.Namespace, peak: float |
         "loss_chunk_positions": bench.chunk if variant.ce == "chunked" else 0,
         "features": variant.features,
         "status": "ok",
+        "optimizer": runner_impl,
         "step_ms": {"median": med * 1e3, "min": min(samples) * 1e3, "max": max(samples) * 1e3},
         "step_ms_samples": [s * 1e3 for s in samples],
         "warmup_step_ms": [t * 1e3 for t in warm_times],
@@ -279,6 +287,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--profile", action="store_true", help="top-10 CUDA kernels of one step of the headline variant")
     p.add_argument("--out", type=Path, default=None, help="write every row, the environment and the command as JSON")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a drafter config key as train.py's drafter.KEY=VALUE (repeatable), e.g. --set optimizer_impl=foreach",
+    )
+    p.add_argument(
+        "--pin-memory",
+        choices=("auto", "false"),
+        default="auto",
+        help="data.pin_memory: auto = the batches in page-locked memory on a GPU (as a run); false = pageable",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
     a = p.parse_args(argv)
@@ -329,6 +349,8 @@ def run(argv: list[str] | None = None) -> dict:
             "target_dtype": str(bench.target.dtype).removeprefix("torch."),
             "taps": list(bench.target.target_layer_ids),
             "loss_chunk_positions": bench.chunk,
+            "drafter_overrides": a.set or [],
+            "pinned_batches": bench.pinned,
             "warmup": a.warmup,
             "steps": a.steps,
             "repeats": a.repeats,

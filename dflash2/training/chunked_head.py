@@ -16,6 +16,12 @@ autograd keeps with an fp32 copy and their gradient: ~9 G elements for a 151,936
 at 8 rows × 512 anchors × 15 positions. ``chunked_head_outputs`` computes the same on row chunks
 of C positions and recomputes a chunk's logits in backward instead of storing them, so it never
 holds more than a few (C, V) tensors at a time. The head is frozen: W and b get no gradient.
+
+Per chunk the elementwise work over (C, V) costs about as much memory traffic as the head's matmul, so
+it is kept to few passes without changing a value (tests/test_chunked_head_passes.py, bit for bit against
+the arithmetic it replaced): without serving scales the served logits are float(raw), which is never
+stored (``logsumexp_of_float``; in backward ``raw - lse`` promotes to fp32 in the subtraction itself),
+and the last factor of the gradient is multiplied in while rounding to the head's dtype (``rounded_ops``).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+
+from dflash2.drafter.rounded_ops import product_as
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,19 @@ def chunked_head_outputs(
     )
 
 
+def logsumexp_of_float(raw: torch.Tensor) -> torch.Tensor:
+    """``torch.logsumexp(raw.float(), dim=-1)`` bit for bit, without the fp32 copy of raw: raw (C, V) -> (C,)
+    fp32. The steps of torch's logsumexp (row max, inf max to 0, exp of the difference, sum, log, add the
+    max back), with the bf16 -> fp32 conversion done inside the subtraction (type promotion) instead of
+    into a (C, V) fp32 tensor first; the max of a bf16 row converts exactly to the max of its fp32 one."""
+    if raw.dtype == torch.float32:
+        return torch.logsumexp(raw, dim=-1)
+    maxes = torch.amax(raw, dim=-1, keepdim=True).float()  # (C, 1)
+    maxes.masked_fill_(maxes.abs() == float("inf"), 0)
+    out = (raw - maxes).exp_().sum(-1)  # raw - maxes: float(raw) - maxes, in fp32
+    return out.log_().add_(maxes[:, 0])
+
+
 def _served_logits(raw, multiplier, softcap):
     """``scale_logits(raw, multiplier, softcap)``, the same operations in the same order (so the same values),
     with fewer (C, V) temporaries. raw (C, V) -> (z (C, V) fp32, t): t = tanh(multiplier·raw / softcap)
@@ -108,6 +129,14 @@ def _served_logits(raw, multiplier, softcap):
         return x, None
     t = (x.div_(softcap) if fresh else x / softcap).tanh_()
     return t * softcap, t
+
+
+def _times(g: torch.Tensor, factors: list, dtype: torch.dtype) -> torch.Tensor:
+    """g (C, V) fp32 times each factor in turn, in place, the last product rounded straight into ``dtype``
+    (``rounded_ops.product_as``: the values of ``g.mul_(last).to(dtype)`` in one pass)."""
+    for factor in factors[:-1]:
+        g.mul_(factor)
+    return product_as(g, factors[-1], dtype, in_place=True)
 
 
 class _ChunkedHeadCE(torch.autograd.Function):
@@ -136,6 +165,11 @@ class _ChunkedHeadCE(torch.autograd.Function):
                 if top_k:
                     top_raw[s:e], top_ids[s:e] = torch.topk(raw, top_k, dim=-1)
                 label_raw[s:e] = raw.gather(1, lab)[:, 0]
+                if multiplier == 1.0 and softcap is None:  # z = float(raw): never stored (logsumexp_of_float)
+                    lse[s:e] = logsumexp_of_float(raw)
+                    ce[s:e] = lse[s:e] - label_raw[s:e].float()
+                    del raw
+                    continue
                 z, t = _served_logits(raw, multiplier, softcap)
                 del raw, t
                 lse[s:e] = torch.logsumexp(z, dim=-1)
@@ -158,16 +192,24 @@ class _ChunkedHeadCE(torch.autograd.Function):
             b = None if bias is None else bias.to(dtype)
             for s in range(0, hidden.shape[0], ctx.chunk):
                 e = min(s + ctx.chunk, hidden.shape[0])
-                z, t = _served_logits(F.linear(hidden[s:e].to(dtype), w, b), mult, cap)  # the forward's z
-                # softmax(z) - onehot(y), times the upstream gradient, written into z: raw is no longer needed
-                g = z.sub_(lse[s:e, None]).exp_()
+                raw = F.linear(hidden[s:e].to(dtype), w, b)  # the forward's raw logits (C, V)
+                factors = [grad_ce[s:e, None]]  # what softmax(z) - onehot(y) is multiplied by, in order
+                if mult == 1.0 and cap is None:  # z - lse as float(raw) - lse, one pass: no fp32 copy of raw
+                    g = raw.sub_(lse[s:e, None]) if raw.dtype == torch.float32 else torch.sub(raw, lse[s:e, None])
+                    del raw
+                else:
+                    z, t = _served_logits(raw, mult, cap)
+                    del raw
+                    g = z.sub_(lse[s:e, None])  # into z
+                    if t is not None:  # z = cap·tanh(mult·r / cap): dz/dr = mult·(1 - tanh²)
+                        factors.append(t.square_().neg_().add_(1.0))
+                    if mult != 1.0:
+                        factors.append(mult)
+                    del z, t
+                # softmax(z) - onehot(y), times the upstream gradient (and dz/dr), written into g
+                g.exp_()
                 g.scatter_add_(1, labels[s:e, None], g.new_full((e - s, 1), -1.0))
-                g.mul_(grad_ce[s:e, None])
-                if t is not None:  # z = cap·tanh(mult·r / cap): dz/dr = mult·(1 - tanh²)
-                    g.mul_(t.square_().neg_().add_(1.0))
-                if mult != 1.0:
-                    g.mul_(mult)
                 # Through raw = linear(h.to(dtype)): the matmul in the head's dtype, as autograd's would be.
-                grad_h[s:e] = (g.to(dtype) @ w).to(hidden.dtype)
-                del z, t, g
+                grad_h[s:e] = (_times(g, factors, dtype) @ w).to(hidden.dtype)
+                del g, factors
         return grad_h, None, None, None, None, None, None, None, None

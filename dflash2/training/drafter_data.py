@@ -115,9 +115,12 @@ class KeyedRows(Dataset):
         return {**self.dataset[key.index], "anchor_key": (key.step, key.row)}
 
 
-def collate_sequences(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+def collate_sequences(rows: list[dict], pad_id: int, pin: bool = False) -> dict[str, torch.Tensor]:
     """Right-pad rows to the longest: input_ids (N, L) int64, loss_mask (N, L) int64, and target_taps
-    (N, L, K*d) when the rows carry stored taps (data.features=offline, training/offline_features.py)."""
+    (N, L, K*d) when the rows carry stored taps (data.features=offline, training/offline_features.py).
+
+    ``pin``: the taps are padded straight into page-locked host memory (needs CUDA; see
+    ``DrafterDataModule``), so the loader's pinning has nothing left to copy for the largest tensor."""
     length = max(len(r["input_ids"]) for r in rows)
     ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), length), dtype=torch.long)
@@ -128,21 +131,40 @@ def collate_sequences(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     if "target_taps" in rows[0]:
         # zero on padding: the drafter never reads a padded position's taps (causal context, anchors on responses)
         first = rows[0]["target_taps"]
-        batch["target_taps"] = first.new_zeros((len(rows), length, first.shape[-1]))
+        taps = torch.zeros((len(rows), length, first.shape[-1]), dtype=first.dtype, pin_memory=pin)
         for i, r in enumerate(rows):
-            batch["target_taps"][i, : r["target_taps"].shape[0]] = r["target_taps"]
+            taps[i, : r["target_taps"].shape[0]] = r["target_taps"]
+        batch["target_taps"] = taps
     return batch
 
 
-def collate_keyed_sequences(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+def collate_keyed_sequences(rows: list[dict], pad_id: int, pin: bool = False) -> dict[str, torch.Tensor]:
     """`collate_sequences` plus ``anchor_keys`` (N, 2) int64: each row's (step, row in the global batch)."""
-    batch = collate_sequences(rows, pad_id)
+    batch = collate_sequences(rows, pad_id, pin)
     batch["anchor_keys"] = torch.tensor([r["anchor_key"] for r in rows], dtype=torch.long).view(len(rows), 2)
     return batch
 
 
+def check_pin_memory(value) -> bool | str:
+    """``data.pin_memory`` (auto | true | false; null = auto)."""
+    if value is None or value == "auto":
+        return "auto"
+    if isinstance(value, bool):
+        return value
+    raise DFlash2Error(f"data.pin_memory={value!r} must be auto, true or false")
+
+
 class DrafterDataModule(L.LightningDataModule):
-    """Train / validation loaders over regenerated `datasets.Dataset`s."""
+    """Train / validation loaders over regenerated `datasets.Dataset`s.
+
+    ``pin_memory`` (data.pin_memory; auto = when the trainer's device is a GPU): batches in page-locked
+    host memory. Lightning copies a batch to the GPU with ``non_blocking=True``; from pageable memory
+    that copy still blocks the host until the GPU has finished its queued work and then crawls through
+    a staging buffer (the offline taps, (N, L, K·d), are hundreds of MB a step at an 8B target), from
+    pinned memory it is one asynchronous DMA. With ``num_workers=0`` the taps are padded straight into
+    pinned memory (``collate_sequences(pin=True)``); with workers, the loader's pinning thread copies
+    each batch into pinned memory beside the training loop. The batches' values are the same either way.
+    """
 
     def __init__(
         self,
@@ -154,11 +176,28 @@ class DrafterDataModule(L.LightningDataModule):
         seed: int,
         pad_id: int,
         num_workers: int = 0,
+        pin_memory: bool | str = "auto",
     ):
         super().__init__()
         self.train_dataset, self.val_dataset = train_dataset, val_dataset
         self.batch_size, self.total_steps, self.seed = batch_size, total_steps, seed
         self.pad_id, self.num_workers = pad_id, num_workers
+        self.pin_memory = check_pin_memory(pin_memory)
+
+    def _pinned(self) -> bool:
+        """Whether batches go to page-locked memory: auto = the trainer trains on a CUDA device; never
+        without CUDA (page-locking goes through the CUDA driver)."""
+        if not torch.cuda.is_available():
+            return False
+        if self.pin_memory != "auto":
+            return bool(self.pin_memory)
+        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
+        return device is not None and device.type == "cuda"
+
+    def _pin_in_collate(self) -> bool:
+        # Only in this process: a worker process must not touch CUDA (page-locking goes through it);
+        # with workers the loader's pinning thread, in this process, does it.
+        return self._pinned() and self.num_workers == 0
 
     def _accumulation(self) -> int:
         return int(self.trainer.accumulate_grad_batches) if self.trainer is not None else 1
@@ -168,10 +207,10 @@ class DrafterDataModule(L.LightningDataModule):
         return int(self.trainer.global_step) * self._accumulation() if self.trainer is not None else 0
 
     def _collate(self, rows):
-        return collate_sequences(rows, self.pad_id)
+        return collate_sequences(rows, self.pad_id, self._pin_in_collate())
 
     def _collate_keyed(self, rows):
-        return collate_keyed_sequences(rows, self.pad_id)
+        return collate_keyed_sequences(rows, self.pad_id, self._pin_in_collate())
 
     def train_dataloader(self) -> DataLoader:
         # Lazy: the trainer restores global_step before iterating, and may iterate again after a
@@ -191,6 +230,7 @@ class DrafterDataModule(L.LightningDataModule):
             batch_sampler=sampler,
             collate_fn=self._collate_keyed,
             num_workers=self.num_workers,
+            pin_memory=self._pinned(),
         )
 
     def val_dataloader(self) -> DataLoader:
@@ -202,4 +242,5 @@ class DrafterDataModule(L.LightningDataModule):
             shuffle=False,
             collate_fn=self._collate,
             num_workers=self.num_workers,
+            pin_memory=self._pinned(),
         )

@@ -31,8 +31,10 @@ from dflash2.drafter.objective import (
     weighted_position_loss,
 )
 from dflash2.errors import DFlash2Error
+from dflash2.training.batch_transfer import copies_beside_compute, copy_beside_compute
 from dflash2.training.chunked_head import HeadOutputs, chunked_head_outputs, head_outputs_from_logits
 from dflash2.training.data_parallel import all_reduce_sum, global_weight_share, world_size
+from dflash2.training.optimizer_impl import adamw_kwargs, check_optimizer_impl, is_fused, resolve_optimizer_impl
 from dflash2.training.preflight import check_attention, check_loss_chunk_positions, drafter_config_differences
 from dflash2.training.schedule import cosine_with_warmup
 
@@ -57,6 +59,7 @@ class DrafterTrainingModule(L.LightningModule):
         selector_gold_injection: bool = False,
         loss_chunk_positions: int = 0,
         attention: str = "auto",
+        optimizer_impl: str = "auto",
     ):
         super().__init__()
         # What `with_drafter` needs to build the same module around another drafter object.
@@ -73,6 +76,7 @@ class DrafterTrainingModule(L.LightningModule):
             selector_gold_injection=selector_gold_injection,
             loss_chunk_positions=loss_chunk_positions,
             attention=attention,
+            optimizer_impl=optimizer_impl,
         )
         self.drafter = drafter
         # Weight decay goes to matrices. Decided here, on the parameters as built: FSDP replaces them by
@@ -91,7 +95,11 @@ class DrafterTrainingModule(L.LightningModule):
         # auto | flex | dense: the drafter's training attention, decided per step on the batch's device
         # (drafter.attention, docs/TRAINING.md "Block-sparse attention in training")
         self.attention = check_attention(attention)
+        # auto | fused | foreach | for_loop: AdamW's implementation, resolved on the parameters' device when
+        # the optimiser is built (drafter.optimizer_impl, dflash2/training/optimizer_impl.py)
+        self.optimizer_impl = check_optimizer_impl(optimizer_impl)
         self._last_step_time: float | None = None
+        self._copy_streams: dict = {}  # device -> the CUDA stream batches are copied on (batch_transfer.py)
         self.measured_tau_history: list[tuple[int, float]] = []  # filled by MeasuredTauCallback
 
     # ----------------------------------------------------------------- plumbing
@@ -104,6 +112,13 @@ class DrafterTrainingModule(L.LightningModule):
 
     def on_validation_start(self) -> None:
         self._sync_target_device()
+
+    def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
+        """Lightning's copy of a batch to the device, except for a pinned batch bound for a GPU
+        (data.pin_memory): copied on a side stream, beside the previous step's kernels (batch_transfer.py)."""
+        if copies_beside_compute(batch, device):
+            return copy_beside_compute(batch, device, self._copy_streams)
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     @property
     def block_size(self) -> int:
@@ -290,21 +305,37 @@ class DrafterTrainingModule(L.LightningModule):
         named = [(n, p) for n, p in self.drafter.named_parameters() if p.requires_grad]
         decay = [p for n, p in named if n in self._decayed]
         no_decay = [p for n, p in named if n not in self._decayed]
+        # Lightning builds the optimiser after moving the module to its device: the parameters' device is final.
+        impl = resolve_optimizer_impl(self.optimizer_impl, [p for _, p in named], self._grad_scaler() is not None)
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=self.lr,
             betas=(0.9, 0.95),
+            **adamw_kwargs(impl),
         )
         scheduler = cosine_with_warmup(optimizer, int(self.warmup_ratio * self.total_steps), self.total_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def _grad_scaler(self):
+        """The precision plugin's gradient scaler (16-mixed), or None (bf16-mixed, 32-true, no trainer)."""
+        return getattr(getattr(self._trainer, "precision_plugin", None), "scaler", None)
+
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Lightning's clipping, except under FSDP: there each rank holds a shard of the gradients, so the
         norm must be taken over all shards by the FSDP root (`clip_grad_norm_`, a collective), and
-        Lightning's FSDP precision plugin refuses norm clipping rather than clip each shard alone."""
+        Lightning's FSDP precision plugin refuses norm clipping rather than clip each shard alone. And for a
+        fused optimiser without a gradient scaler (drafter.optimizer_impl, optimizer_impl.py): Lightning's
+        mixed-precision plugin refuses to clip for any fused optimiser, lest it clip scaled gradients, but
+        bf16-mixed scales nothing; its base class clips them (the same call it makes after that check)."""
+        from lightning.pytorch.plugins.precision import Precision
         from lightning.pytorch.strategies import FSDPStrategy
+        from lightning.pytorch.utilities import GradClipAlgorithmType
 
         if not gradient_clip_val or not isinstance(self.trainer.strategy, FSDPStrategy):
+            if gradient_clip_val and is_fused(optimizer) and self._grad_scaler() is None:
+                algorithm = GradClipAlgorithmType(gradient_clip_algorithm or "norm")
+                Precision.clip_gradients(self.trainer.precision_plugin, optimizer, float(gradient_clip_val), algorithm)
+                return
             self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
             return
         if gradient_clip_algorithm not in (None, "norm"):

@@ -44,6 +44,18 @@ def drafter_settings(option: str, overrides: dict) -> dict:
     return to_plain(cfg.drafter)
 
 
+def drafter_overrides(pairs: list[str] | None) -> dict[str, str]:
+    """``--set KEY=VALUE`` pairs (drafter config keys, e.g. ``optimizer_impl=foreach``) as a dict; values are
+    parsed by Hydra as on the command line of train.py."""
+    out = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise DFlash2Error(f"--set {pair!r}: write KEY=VALUE, a key of the drafter config group")
+        out[key.strip().removeprefix("drafter.")] = value.strip()
+    return out
+
+
 def random_target(shape: str, device: torch.device, seed: int):
     """A frozen TargetModel of random weights at ``shape``, in the dtype ``target.dtype=auto`` picks
     (bf16 on CUDA, fp32 on the CPU), with the default taps."""
@@ -93,6 +105,7 @@ class Bench:
     device: torch.device
     seed: int
     chunk: int
+    pinned: bool = False  # the batches are in page-locked memory (data.pin_memory, a GPU run)
 
     @property
     def rows(self) -> int:
@@ -122,12 +135,16 @@ def build_bench(a: argparse.Namespace, device: torch.device) -> Bench:
         "head_dim": int(getattr(text, "head_dim", None) or target.hidden_size // heads),
         "mask_token_id": target.vocab_size - 1,  # random target, no tokenizer: the last id, never in the data
     }
-    settings = drafter_settings(a.drafter, overrides)
+    settings = drafter_settings(a.drafter, {**overrides, **drafter_overrides(a.set)})
     config = drafter_config_for_target(settings, target)
     drafter = fresh_drafter(config, settings, a.seed)
     initial = {k: v.clone() for k, v in drafter.state_dict().items()}  # on the CPU: every row starts here
     drafter.to(device)
     rows = synthetic_rows(a.rows, a.seq, a.prompt_tokens, target.vocab_size, config.mask_token_id, a.seed)
     batches = {"online": collate_sequences(rows, pad_id=0), "offline": offline_batch(target, rows)}
+    # data.pin_memory as a run has it (auto: on a GPU); pinned once here, where the loader pins every batch
+    pinned = device.type == "cuda" and a.pin_memory != "false"
+    if pinned:
+        batches = {mode: {k: v.pin_memory() for k, v in batch.items()} for mode, batch in batches.items()}
     chunk = a.chunk if a.chunk is not None else int(settings.get("loss_chunk_positions") or 1024)
-    return Bench(target, drafter, initial, settings, batches, device, a.seed, chunk)
+    return Bench(target, drafter, initial, settings, batches, device, a.seed, chunk, pinned)

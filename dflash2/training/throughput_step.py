@@ -6,7 +6,9 @@ import time
 from contextlib import nullcontext
 
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 
+from dflash2.training.optimizer_impl import optimizer_impl_name
 from dflash2.training.throughput_report import top_kernels
 from dflash2.training.throughput_setup import Bench, Variant
 
@@ -37,15 +39,21 @@ class StepRunner:
         self.optimizer, self.scheduler = opt["optimizer"], opt["lr_scheduler"]["scheduler"]
         self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.clip = float(bench.settings.get("grad_clip") or 0.0)
-        # trainer=gpu is bf16-mixed (autocast around training_step), trainer=cpu 32-true
+        self.optimizer_impl = optimizer_impl_name(self.optimizer)
+        # trainer=gpu is bf16-mixed: Lightning's own autocast around training_step (its weight-cast cache
+        # off, as Lightning has it); trainer=cpu 32-true
         cuda = self.device.type == "cuda"
-        self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else nullcontext
+        self.autocast = MixedPrecision("bf16-mixed", "cuda").forward_context if cuda else nullcontext
         self.cpu_batch = bench.batches[variant.features]
+        self.pinned = bench.pinned
 
     def step(self, step: int) -> None:
         rows = self.cpu_batch["input_ids"].shape[0]
         keys = torch.tensor([[step, r] for r in range(rows)], dtype=torch.long)  # (N, 2): (step, global row)
-        batch = {k: v.to(self.device) for k, v in {**self.cpu_batch, "anchor_keys": keys}.items()}
+        if self.pinned:  # what the loader's pinning does with every batch (not timed there: a loader thread)
+            keys = keys.pin_memory()
+        # Lightning's batch transfer: the module's hook (a pinned batch goes on a side stream, batch_transfer.py)
+        batch = self.module.transfer_batch_to_device({**self.cpu_batch, "anchor_keys": keys}, self.device, 0)
         with self.autocast():
             loss = self.module.training_step(batch, step)
         self.optimizer.zero_grad(set_to_none=True)  # Lightning zeroes after training_step, before backward

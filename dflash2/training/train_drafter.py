@@ -31,11 +31,12 @@ from dflash2.oom import REGENERATION_KNOBS, TRAINING_KNOBS, explain_oom, knob_hi
 from dflash2.target import TargetModel
 from dflash2.target_dtype import resolve_target_dtype
 from dflash2.training.build_target import to_plain as plain
-from dflash2.training.drafter_data import DrafterDataModule, collate_sequences
+from dflash2.training.drafter_data import DrafterDataModule, check_pin_memory, collate_sequences
 from dflash2.training.drafter_module import DrafterTrainingModule
 from dflash2.training.full_drafter import check_supported_strategy, drafter_on_rank_zero
 from dflash2.training.launch import PREPARE_FIRST, external_world_size
 from dflash2.training.offline_features import OfflineFeatures, features_mode
+from dflash2.training.optimizer_impl import check_optimizer_impl
 from dflash2.training.preflight import (
     check_attention,
     check_blocks_fit_the_data,
@@ -102,6 +103,8 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict | None:
     check_blocks_fit_the_data(drafter.config, int(settings["num_anchors"]), data)
     loss_chunk = check_loss_chunk_positions(settings.get("loss_chunk_positions"))
     attention = check_attention(settings.get("attention"), regeneration_device(cfg))
+    check_optimizer_impl(settings.get("optimizer_impl"))
+    check_pin_memory(data.get("pin_memory"))
     check_sequences_fit_the_context(data, config.max_position_embeddings)
     resume_from = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
     resume_step = check_resume_checkpoint(resume_from, drafter.config) if resume_from is not None else None
@@ -154,6 +157,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict | None:
         seed=seed,
         pad_id=pad_id,
         num_workers=int(data["num_workers"]),
+        pin_memory=data.get("pin_memory", "auto"),
     )
     loggers = instantiate_loggers(cfg, resume_step)
     trainer: L.Trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=instantiate_callbacks(cfg))
@@ -285,6 +289,7 @@ def training_module(
         selector_gold_injection=bool(settings.get("selector_gold_injection", False)),
         loss_chunk_positions=loss_chunk,
         attention=attention,
+        optimizer_impl=check_optimizer_impl(settings.get("optimizer_impl")),
     )
 
 
