@@ -7,13 +7,11 @@ The whole run through `train.py` in 1 and 2 processes: tests/test_multi_process_
 from __future__ import annotations
 
 import socket
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
 from dflash2.drafter.objective import (
@@ -160,12 +158,59 @@ def _rank_grads(rank: int, init_file: str, out_file: str) -> None:
             results[name] = (model.module.weight.grad.clone(), all_reduce_sum(loss.detach()) / 2)
         predictions = (features[rows] @ head).argmax(-1)
         results["metrics"] = all_reduce_sum(block_metric_sums(predictions, labels[rows], mask[rows]))
-        if rank == 0:  # a file, not a Manager dict: sending tensors to a Manager shares their storage
-            # through file descriptors that the sender's resource-sharer thread must hand over, and a
-            # rank hung there in the full suite (a rank process asleep, its peer gone, mp.spawn waiting)
+        if rank == 0:  # the ranks are separate interpreters (_run_two_ranks): results go through a file
             torch.save(results, out_file)
     finally:
         dist.destroy_process_group()
+
+
+def _run_two_ranks(init_file: str, out_file: str, limit_s: float = 240.0) -> None:
+    """_rank_grads in two fresh interpreters (plain subprocesses, not mp.spawn: inside the full suite a
+    spawned rank hung now and then, asleep with its peer gone, and nothing said where). Each rank gets
+    the parent's environment without any launcher's rank variables, one thread, and a faulthandler that
+    prints every thread's stack and exits if it is still running after limit_s: a hang fails the test
+    with the stacks in its message instead of stalling the suite."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    drop = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("TORCHELASTIC")}
+    env.update(
+        OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests), env.get("PYTHONPATH", "")])
+    )
+    code = (
+        "import faulthandler, sys, torch; faulthandler.dump_traceback_later(float(sys.argv[4]), exit=True); "
+        "torch.set_num_threads(1); from test_data_parallel import _rank_grads; "
+        "_rank_grads(int(sys.argv[1]), sys.argv[2], sys.argv[3])"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(rank), init_file, out_file, str(limit_s)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=limit_s + 30)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            logs.append(p.communicate()[0])
+    if any(p.returncode != 0 for p in procs):
+        pytest.fail(
+            "a gloo rank failed:\n"
+            + "\n".join(
+                f"--- rank {r} (exit {p.returncode})\n{log[-4000:]}" for r, (p, log) in enumerate(zip(procs, logs))
+            )
+        )
 
 
 def test_two_ranks_reproduce_the_one_process_loss_and_gradient_of_the_global_batch(tmp_path):
@@ -174,13 +219,7 @@ def test_two_ranks_reproduce_the_one_process_loss_and_gradient_of_the_global_bat
     loss = weighted_block_loss(model(features), labels, mask, weights)
     loss.backward()
     out_file = tmp_path / "rank0.pt"
-    ranks = mp.spawn(_rank_grads, args=(str(tmp_path / "rendezvous"), str(out_file)), nprocs=2, join=False)
-    deadline = time.monotonic() + 300  # never a silent hang of the suite: a stuck rank fails the test
-    while not ranks.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ranks.processes:
-                p.kill()
-            pytest.fail("the two gloo ranks did not finish within 300 s")
+    _run_two_ranks(str(tmp_path / "rendezvous"), str(out_file))
     out = torch.load(out_file, weights_only=True)
     grad, ddp_loss = out["global"]
     # One process sums the 5 rows in one reduction, the ranks 2 + 3 rows and then over ranks: fp32 rounding only.
