@@ -15,7 +15,9 @@ tiling), ragged n = 0..T across a batch:
 * bf16 inputs with an fp32 state.
 
 CPU cases run in Triton's interpreter (tests/conftest.py turns it on without a GPU); the
-same cases run compiled on the GPU, marked ``cuda``.
+same cases run compiled on the GPU, marked ``cuda``. The interpreter runs a kernel's programs one
+after the other, so the fold tests' CPU cases take the fewest heads and rows that keep each case's
+layout (GQA_CPU: 2 value heads per key head), and their GPU cases the full ones (GQA, T = 16, 4 rows).
 """
 
 import pytest
@@ -34,8 +36,17 @@ DEVICES = [
 ]
 K = 4  # conv kernel, as every Qwen3.5 / Qwen3-Next config
 GQA = (2, 4, 5, 7)  # Hk, H, d_k, d_v: 2 key heads serve 4 value heads, odd head dims
+# the interpreter's GQA for the fold tests: 2 value heads per key head, odd head dims, half GQA's programs
+# (two key heads' folds are interpreted in test_deferred_commit_across_block_lengths and in
+# test_runtime_gdn_pipelined.py, and their verify / commit against the twins above)
+GQA_CPU = (1, 2, 5, 7)
 # fp32 rounding of a T ≤ 16 recurrence on O(1) values: errors seen are ~3e-7
 F32 = dict(rtol=1e-5, atol=2e-6)
+
+
+def per_device(cpu: list[tuple], cuda: list[tuple]) -> list:
+    """(device, *case) parameters: the ``cpu`` cases run in the interpreter, the ``cuda`` ones compiled."""
+    return [pytest.param(d.values[0], *c, marks=d.marks) for d, cases in zip(DEVICES, (cpu, cuda)) for c in cases]
 
 
 def make_case(N, T, heads=GQA, dtype=torch.float32, device="cpu", seed=0) -> dict:
@@ -160,14 +171,18 @@ def _after(steps: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     return steps[n, torch.arange(n.shape[0], device=n.device)]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("T", [3, 9, 16])
-def test_exact_fold_equals_single_token_decoding(device, T):
+# T = 16 (a full 16-token prep chunk) runs on the GPU only: in the interpreter it is T = 9's code (one
+# chunk, the same loops; the masks differ in value only), its verify and commit are checked at T = 16
+# above, and its 18 interpreted verifies took ~18 s, a sixth of this file's time.
+@pytest.mark.parametrize(
+    "device, T, heads", per_device(cpu=[(3, GQA_CPU), (9, GQA_CPU)], cuda=[(3, GQA), (9, GQA), (16, GQA)])
+)
+def test_exact_fold_equals_single_token_decoding(device, T, heads):
     """ReplaySSM and native commits == decoding row r's n[r] tokens one at a time, for a ragged n with
     the pitfalls in it: n = 0 (row untouched), n = 1 (no draft accepted: the corrected token alone,
     exactly one token), n = T (full acceptance)."""
     N = 4
-    case = make_case(N, T, device=device, seed=20 + T)
+    case = make_case(N, T, heads, device=device, seed=20 + T)
     n = torch.tensor([0, 1, T // 2, T], device=device)
     conv_steps, rec_steps, u_steps = _decode(case, "replay")
     conv_ref, rec_ref, _ = _decode(case, "reference")
@@ -229,14 +244,17 @@ def _same_states(a: GDNState, b: GDNState) -> bool:
     return torch.equal(a.rec, b.rec) and torch.equal(a.conv, b.conv)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "T, heads, tiles",
-    [
-        (1, GQA, {}),  # AR decode: n is 0 or 1
-        (5, GQA, dict(block_v=4, block_t=2)),  # 2 value slices per head; chunks of 2 (raised to K-1 by the fold)
-        (9, (3, 3, 9, 5), {}),  # one key head per value head
-    ],
+    "device, T, heads, tiles",
+    per_device(
+        cpu=[
+            (1, GQA_CPU, {}),  # AR decode: n is 0 or 1
+            # 2 value slices per head; chunks of 2 (raised to K-1 by the fold)
+            (5, GQA_CPU, dict(block_v=4, block_t=2)),
+            (9, (2, 2, 9, 5), {}),  # one key head per value head
+        ],
+        cuda=[(1, GQA, {}), (5, GQA, dict(block_v=4, block_t=2)), (9, (3, 3, 9, 5), {})],
+    ),
 )
 def test_deferred_commit_equals_eager_fold(device, T, heads, tiles):
     """ReplaySSM with reserved logs defers each commit into the next verify, which folds the pending n
@@ -245,13 +263,15 @@ def test_deferred_commit_equals_eager_fold(device, T, heads, tiles):
     layers with ragged n, every row committing 0 once and T once: every verify's outputs and logs bit
     for bit; the states bit for bit once a verify has folded, and untouched by the deferred commit
     itself (the fold really moved); after the last commit, flush() gives bit for bit the eager states."""
-    N, L = 4, 2
+    # n per step and row; rows 0-2 already commit 0, 1, T and T // 2, each 0 once and T once: the
+    # interpreter (CPU), whose time is per row, runs those three (a quarter less), the GPU all four
+    schedule = [[0, 1, T, T // 2], [T, 0, 1, T], [T // 2, T, 0, 0]]
+    N, L = (4 if device == "cuda" else 3), 2
     start = make_case(N, T, heads, device=device, seed=60 + T)
     eager = _gdn_state(start, "replay", L, kernel_options=tiles)
     lazy = _gdn_state(start, "replay", L, kernel_options=tiles)
     lazy.reserve(T)
-    schedule = [[0, 1, T, T // 2], [T, 0, 1, T], [T // 2, T, 0, 0]]
-    for args, n in zip(_steps(N, T, heads, L, len(schedule), device, seed=T), schedule):
+    for args, n in zip(_steps(N, T, heads, L, len(schedule), device, seed=T), [row[:N] for row in schedule]):
         for layer in range(L):
             assert torch.equal(eager.verify(layer, *args[layer]), lazy.verify(layer, *args[layer]))
             for name in ("x", "k", "u", "g"):

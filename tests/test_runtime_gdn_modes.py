@@ -42,6 +42,31 @@ def hybrid(hf_targets):
     return target, folder, prompts, [p + g for p, g in zip(prompts, gen)]
 
 
+@pytest.fixture(scope="module")
+def scripted(hybrid):
+    """scripted(mode, defer=True) -> (result, GDN state of the slot, its pending fold after each step): an
+    oracle row (B tokens per step) beside a ragged one (0..B-1 drafts accepted) through a Decoder with the
+    slot's deferral as given (on: what generate_spec runs). Each (mode, defer) generates once per module:
+    interpreted, a generation takes ~10 s, and ReplaySSM's deferred one serves two tests below."""
+    _, folder, prompts, full = hybrid
+    runs = {}
+
+    def run(mode: str, defer: bool = True):
+        if (mode, defer) not in runs:
+            model = load_model(folder, target_layer_ids=TAPS, gdn_mode=mode)
+            assert model.new_state(1, 8).gdn.mode == mode
+            proposer = ScriptedProposer(full[:2], ["oracle", "partial"], B, model.vocab_size)  # same draws each run
+            dec = Decoder(model, proposer, max_len=64, graphs=False)
+            gdn = dec.slot(2).state.gdn
+            gdn.defer = defer
+            pending = []
+            dec.on_step = lambda s: pending.append(s.state.gdn._deferred)
+            runs[mode, defer] = (dec.generate_spec(prompts[:2], N_NEW), gdn, pending)
+        return runs[mode, defer]
+
+    return run
+
+
 def _greedy(full, prompts, n=N_NEW):
     return [f[len(p) :][:n] for f, p in zip(full, prompts)]
 
@@ -77,14 +102,11 @@ def test_auto_runs_replayssm_on_the_gpu(hf_targets):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["replay", "native"])
-def test_scripted_acceptance_equals_greedy(hybrid, mode):
+def test_scripted_acceptance_equals_greedy(hybrid, scripted, mode):
     """An oracle row (every draft accepted: B tokens per step) beside a row accepting a random
     0..B-1 per step (0: the one corrected token), in the same steps."""
-    _, folder, prompts, full = hybrid
-    model = load_model(folder, target_layer_ids=TAPS, gdn_mode=mode)
-    assert model.new_state(1, 8).gdn.mode == mode
-    proposer = ScriptedProposer(full[:2], ["oracle", "partial"], B, model.vocab_size)
-    res = generate_spec(model, proposer, prompts[:2], N_NEW)
+    _, _, prompts, full = hybrid
+    res, _, _ = scripted(mode)
     assert res.sequences == _greedy(full[:2], prompts[:2])
     oracle, partial = res.accepted_drafts
     assert oracle == [B - 1] * -(-(N_NEW - 1) // B)  # full acceptance commits B per step
@@ -94,23 +116,16 @@ def test_scripted_acceptance_equals_greedy(hybrid, mode):
 
 
 @pytest.mark.slow
-def test_deferred_commit_in_the_engine_equals_greedy_and_the_eager_fold(hybrid):
+def test_deferred_commit_in_the_engine_equals_greedy_and_the_eager_fold(hybrid, scripted):
     """ReplaySSM in the engine: the slot's reserved logs make every decode commit deferred into the next
     verify. An oracle row (B tokens per step) beside a ragged one (0..B-1 drafts accepted), the oracle
     finishing first (its later commits are 0): the tokens are HF's greedy tokens, the commits were
     deferred (seen after every step), nothing is pending once generate_spec returns, and the final GDN
     states equal bit for bit those of the same run with deferral off (the commit kernel folding at once)."""
-    _, folder, prompts, full = hybrid
-    model = load_model(folder, target_layer_ids=TAPS, gdn_mode="replay")
+    _, _, prompts, full = hybrid
     states, pending = {}, {}
     for defer in (True, False):
-        proposer = ScriptedProposer(full[:2], ["oracle", "partial"], B, model.vocab_size)  # same draws each run
-        dec = Decoder(model, proposer, max_len=64, graphs=False)
-        gdn = dec.slot(2).state.gdn
-        gdn.defer = defer
-        seen = pending[defer] = []
-        dec.on_step = lambda s, seen=seen: seen.append(s.state.gdn._deferred)
-        res = dec.generate_spec(prompts[:2], N_NEW)
+        res, gdn, pending[defer] = scripted("replay", defer)
         assert res.sequences == _greedy(full[:2], prompts[:2]), defer
         oracle, partial = res.accepted_drafts
         assert len(oracle) < len(partial) and {0, B - 1} <= set(partial)  # commits of 0, 1 and B tokens
