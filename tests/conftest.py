@@ -350,12 +350,17 @@ def runtime_hf_config(kind: str, vocab_size: int = SPEC_VOCAB):
     )
 
 
-def build_runtime_hf(kind: str, seed: int = 0, vocab_size: int = SPEC_VOCAB):
-    """A random fp32 HF model of ``kind`` (biases randomised too: zero biases would check nothing)."""
+def build_runtime_hf(kind: str, seed: int = 0, vocab_size: int = SPEC_VOCAB, **config):
+    """A random fp32 HF model of ``kind`` (biases randomised too: zero biases would check nothing);
+    config: fields of ``runtime_hf_config(kind)`` to change (e.g. ``linear_num_value_heads=2``)."""
     from transformers import AutoModelForCausalLM
 
+    hf_config = runtime_hf_config(kind, vocab_size)
+    for name, value in config.items():
+        assert hasattr(hf_config, name), name
+        setattr(hf_config, name, value)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(runtime_hf_config(kind, vocab_size)).float().eval()
+    model = AutoModelForCausalLM.from_config(hf_config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):

@@ -1,7 +1,8 @@
 """`eval.speedup` with GDN modes (dflash2/eval/speedup_gdn.py) on the CPU.
 
-A tiny random Qwen3.5 hybrid (3 GDN : 1 attention) is measured in the plain-PyTorch reference
-mode and in Triton ReplaySSM (interpreted: TRITON_INTERPRET=1, set by conftest without a GPU).
+A tiny random Qwen3.5 hybrid (3 GDN : 1 attention; 1 key head for 2 value heads in the interpreted
+run) is measured in the plain-PyTorch reference mode and in Triton ReplaySSM (interpreted:
+TRITON_INTERPRET=1, set by conftest without a GPU).
 The drafter is scripted from the target's greedy continuation (an oracle row beside one that
 accepts none, all or a random count per step), so commits of 1..B tokens really happen and
 every anchor is checked against greedy decoding on the way. What is asserted: each mode's
@@ -16,7 +17,7 @@ import json
 
 import pytest
 import torch
-from conftest import nontrivial_dflash2, spec_drafter
+from conftest import build_runtime_hf, nontrivial_dflash2, spec_drafter
 from test_runtime_engine import PROMPTS, ScriptedProposer, _prompt
 
 from dflash2.decoding import greedy_generate
@@ -34,13 +35,27 @@ B = 4
 N_NEW = 6  # interpreted kernels are slow: two or three steps per row (the oracle row's second cut by the budget)
 
 
-@pytest.fixture(scope="module")
-def hybrid(hf_targets):
+def _pair(hf, folder):
     """(HF hybrid, runtime model in the default mode, two equal-length prompts, prompt + greedy continuation)."""
-    hf, folder = hf_targets["qwen3_5"]
     prompts = [_prompt(7, 1), _prompt(7, 5)]  # equal lengths: HF generate runs unpadded
     gen = greedy_generate(TargetModel(hf, target_layer_ids=TAPS), prompts, N_NEW + B)
     return hf, load_model(folder, target_layer_ids=TAPS), prompts, [p + g for p, g in zip(prompts, gen)]
+
+
+@pytest.fixture(scope="module")
+def hybrid(hf_targets):
+    return _pair(*hf_targets["qwen3_5"])
+
+
+@pytest.fixture(scope="module")
+def narrow_hybrid(tmp_path_factory):
+    """The same hybrid with 1 key head for 2 value heads (hf_targets': 2 for 4), for the interpreted run:
+    the interpreter's time is per (row, head) program, and what this file checks, the harness around the
+    GDN modes, is the same at any head count (the kernels' heads: test_runtime_gdn_*.py)."""
+    hf = build_runtime_hf("qwen3_5", linear_num_key_heads=1, linear_num_value_heads=2)
+    folder = tmp_path_factory.mktemp("rt_qwen3_5_narrow")
+    hf.save_pretrained(folder)
+    return _pair(hf, folder)
 
 
 def _run(pair, modes, out=None):
@@ -59,8 +74,8 @@ def _run(pair, modes, out=None):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not interpreting(), reason="CPU tensors need TRITON_INTERPRET=1")
-def test_modes_are_lossless_and_agree_with_each_other(hybrid, tmp_path):
-    hf, model, prompts, full = hybrid
+def test_modes_are_lossless_and_agree_with_each_other(narrow_hybrid, tmp_path):
+    hf, model, prompts, full = narrow_hybrid
     drafter = ScriptedProposer(full, ["oracle", "partial"], B, model.vocab_size)
     pair = Pair(hf, model, drafter, prompts, "tiny hybrid, scripted drafter", False)
     res = _run(pair, ["reference", "replay"], tmp_path)
