@@ -228,6 +228,38 @@ def _fold_rows(stash_k, stash_g, log_u, i_n, i_h, i_hk, t, T, o_k, o_v, m_k, m_v
 
 
 @triton.jit
+def _fold_token(h, g, k, u):
+    """One pending token folded into the (BK, BV) state tile: gdn_replay_kernel's two updates, its order."""
+    h = h * tl.exp(g)
+    return h + k[:, None] * u[None, :]
+
+
+@triton.jit
+def _verify_token(
+    h, q, k, v, g, beta, t, i_n, i_h, T, o, log_u, states, o_k, o_v, m_v, m_h, H, DK, DV, NATIVE, SPLIT_OUT
+):
+    """Block token t of one (row, head, value slice): the recurrence in single-token decode order, its
+    output stored and its u logged (ReplaySSM) or the state after it stored (native); returns h."""
+    h = h * tl.exp(g)
+    if SPLIT_OUT:
+        # o_t = (h + k uᵀ)ᵀq = hᵀq + (k·q) u: hᵀq no longer waits for u, so its sum over d_k runs beside
+        # hᵀk's instead of after it (one dependent chain per token instead of two; o rounds differently,
+        # the state and the log do not)
+        hq = tl.sum(h * q[:, None], 0)
+        kq = tl.sum(k * q, 0)
+    u = (v - tl.sum(h * k[:, None], 0)) * beta
+    h = h + k[:, None] * u[None, :]
+    out = hq + kq * u if SPLIT_OUT else tl.sum(h * q[:, None], 0)
+    tok = i_n * T + t
+    tl.store(o + (tok * H + i_h) * DV + o_v, out.to(o.dtype.element_ty), mask=m_v)
+    if NATIVE:
+        tl.store(states + ((tok * H + i_h) * DK + o_k[:, None]) * DV + o_v[None, :], h, mask=m_h)
+    else:
+        tl.store(log_u + (tok * H + i_h) * DV + o_v, u, mask=m_v)
+    return h
+
+
+@triton.jit
 def gdn_recur_kernel(
     q_in,  # (N, T, HK, DK) fp32, from gdn_prep_kernel
     k_in,  # (N, T, HK, DK) fp32
@@ -280,8 +312,7 @@ def gdn_recur_kernel(
                     fg, fk, fu = _fold_rows(
                         stash_k, stash_g, log_u, i_n, i_h, i_hk, t, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
                     )
-                    h = h * tl.exp(fg)
-                    h = h + fk[:, None] * fu[None, :]
+                    h = _fold_token(h, fg, fk, fu)
                 tl.store(p_rec, h, mask=m_h)
                 tl.store(p_n, n * 0)
             tl.debug_barrier()
@@ -289,22 +320,30 @@ def gdn_recur_kernel(
             q_t, k_t, v_t, g_t, beta_t = _token_rows(
                 q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, t, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
             )
-            h = h * tl.exp(g_t)
-            if SPLIT_OUT:
-                # o_t = (h + k uᵀ)ᵀq = hᵀq + (k·q) u: hᵀq no longer waits for u, so its sum over d_k runs
-                # beside hᵀk's instead of after it (one dependent chain per token instead of two; o
-                # rounds differently, the state and the log do not)
-                hq = tl.sum(h * q_t[:, None], 0)
-                kq = tl.sum(k_t * q_t, 0)
-            u_t = (v_t - tl.sum(h * k_t[:, None], 0)) * beta_t
-            h = h + k_t[:, None] * u_t[None, :]
-            out = hq + kq * u_t if SPLIT_OUT else tl.sum(h * q_t[:, None], 0)
-            tok = i_n * T + t
-            tl.store(o + (tok * H + i_h) * DV + o_v, out.to(o.dtype.element_ty), mask=m_v)
-            if NATIVE:
-                tl.store(states + ((tok * H + i_h) * DK + o_k[:, None]) * DV + o_v[None, :], h, mask=m_h)
-            else:
-                tl.store(log_u + (tok * H + i_h) * DV + o_v, u_t, mask=m_v)
+            h = _verify_token(
+                h,
+                q_t,
+                k_t,
+                v_t,
+                g_t,
+                beta_t,
+                t,
+                i_n,
+                i_h,
+                T,
+                o,
+                log_u,
+                states,
+                o_k,
+                o_v,
+                m_v,
+                m_h,
+                H,
+                DK,
+                DV,
+                NATIVE,
+                SPLIT_OUT,
+            )
     else:
         # every load that depends on nothing is issued up front, so their latencies overlap: the pending
         # count, the first two pending tokens' rows (stale rows if fewer are pending: loaded, never used)
@@ -332,8 +371,7 @@ def gdn_recur_kernel(
                     fg_2, fk_2, fu_2 = _fold_rows(
                         stash_k, stash_g, log_u, i_n, i_h, i_hk, t + 2, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
                     )
-                    h = h * tl.exp(fg_0)
-                    h = h + fk_0[:, None] * fu_0[None, :]
+                    h = _fold_token(h, fg_0, fk_0, fu_0)
                     fg_0, fk_0, fu_0 = fg_1, fk_1, fu_1
                     fg_1, fk_1, fu_1 = fg_2, fk_2, fu_2
                 tl.store(p_rec, h, mask=m_h)  # the committed state, materialised once
@@ -345,17 +383,30 @@ def gdn_recur_kernel(
             q_2, k_2, v_2, g_2, beta_2 = _token_rows(
                 q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, t + 2, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
             )
-            # the recurrence, in single-token decode order (the fold repeats the first and third lines)
-            h = h * tl.exp(g_0)
-            u_t = (v_0 - tl.sum(h * k_0[:, None], 0)) * beta_0
-            h = h + k_0[:, None] * u_t[None, :]
-            out = tl.sum(h * q_0[:, None], 0)
-            tok = i_n * T + t
-            tl.store(o + (tok * H + i_h) * DV + o_v, out.to(o.dtype.element_ty), mask=m_v)
-            if NATIVE:
-                tl.store(states + ((tok * H + i_h) * DK + o_k[:, None]) * DV + o_v[None, :], h, mask=m_h)
-            else:
-                tl.store(log_u + (tok * H + i_h) * DV + o_v, u_t, mask=m_v)
+            h = _verify_token(
+                h,
+                q_0,
+                k_0,
+                v_0,
+                g_0,
+                beta_0,
+                t,
+                i_n,
+                i_h,
+                T,
+                o,
+                log_u,
+                states,
+                o_k,
+                o_v,
+                m_v,
+                m_h,
+                H,
+                DK,
+                DV,
+                NATIVE,
+                False,
+            )
             q_0, k_0, v_0, g_0, beta_0 = q_1, k_1, v_1, g_1, beta_1
             q_1, k_1, v_1, g_1, beta_1 = q_2, k_2, v_2, g_2, beta_2
 
