@@ -76,22 +76,30 @@ def test_one_compiled_mask_builder_serves_every_length_and_equals_the_eager_one(
 
 
 @pytest.mark.cuda
-def test_one_flex_compile_serves_every_length_on_cuda_and_equals_dense():
-    """Forward and backward of the drafter's flex attention at several context lengths: graphs are built
-    for the first batch only, and outputs and gradients match the dense path at each length."""
+@pytest.mark.parametrize("head_dim", [16, 192])
+def test_one_flex_compile_serves_every_length_on_cuda_and_equals_dense(head_dim):
+    """Forward and backward of the drafter's flex attention in fp32 at several context lengths: graphs are
+    built for the first batch only, and outputs and gradients match the dense path at each length. Head dim
+    192 (the GPU-sized drafter's): torch's own fp32 tile for it does not fit in shared memory on Hopper
+    (model.FP32_FLEX_TILES)."""
+    import dataclasses
+
     from test_drafter_masks import _tiny_config
 
     from dflash2.drafter import DFlashDrafter
 
     torch.manual_seed(0)
-    drafter = DFlashDrafter(_tiny_config(None, use_local_conv=True)).cuda()
-    emb = torch.nn.Embedding(128, 64).cuda()
+    torch._dynamo.reset()  # the graph counts below start from this test's first compile
+    cfg = dataclasses.replace(_tiny_config(None, use_local_conv=True), head_dim=head_dim)
+    drafter = DFlashDrafter(cfg).cuda()
+    emb = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size).cuda()
+    tap_width = cfg.target_hidden_size * len(cfg.target_layer_ids)
     counts = []
     for step, (n, length, a) in enumerate(SHAPES):
-        taps = torch.randn(n, length, 32, device="cuda")
+        taps = torch.randn(n, length, tap_width, device="cuda")
         ids = torch.randint(0, 127, (n, length), device="cuda")
         anchors, valid = _anchors(n, length, a, step, "cuda")
-        w = torch.randn(n, a, 8, 64, device="cuda") * valid[:, :, None, None]
+        w = torch.randn(n, a, cfg.block_size, cfg.hidden_size, device="cuda") * valid[:, :, None, None]
         outs, grads = {}, {}
         for flex in (False, True):
             drafter.zero_grad()

@@ -65,6 +65,13 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+# fp32 tiles for flex on CUDA. torch's default fp32 forward tile on Hopper (torch 2.11: 64 x 64 keys, 3 stages
+# for head dims it has no entry for, e.g. 192) needs 48 KiB of q plus 3 x 96 KiB of k and v in shared memory,
+# more than the 227 KiB an SM has: the compile fails ("out of resource"). One stage of 64 queries x 32 keys fits
+# every head dim up to 256 (64 + 2 x 32 KiB at 256); bf16 (autocast, the training default) keeps torch's tiles.
+FP32_FLEX_TILES = {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 1}
+
+
 def _flex_attention(q, k, v, block_mask):
     """flex_attention, compiled once per process on CUDA, with symbolic lengths (``masks.compiled``: one
     compile for every context length); eager elsewhere: unfused, no backward; the CPU tests' forward only.
@@ -74,7 +81,8 @@ def _flex_attention(q, k, v, block_mask):
     from torch.nn.attention.flex_attention import flex_attention
 
     fn = compiled("flex_attention") if q.is_cuda else flex_attention
-    return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    options = FP32_FLEX_TILES if q.is_cuda and q.dtype == torch.float32 else None
+    return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1], kernel_options=options)
 
 
 class Attention(nn.Module):

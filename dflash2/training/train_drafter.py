@@ -7,6 +7,7 @@ derived from them are reported beside it, labelled as an estimate.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -186,7 +187,13 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict | None:
         count, anyone = _count(data["num_val_prompts"]), {**common, "missing_hint": None}
         heldout_ds = regenerate_split(target, data, split="heldout", num_prompts=count, **anyone)
         report = heldout_report(
-            module.to(device), heldout_ds, train_ds, pad_id=pad_id, batch_size=int(data["batch_size"]), seed=seed
+            module.to(device),
+            heldout_ds,
+            train_ds,
+            pad_id=pad_id,
+            batch_size=int(data["batch_size"]),
+            seed=seed,
+            precision=trainer.precision_plugin.forward_context,
         )
     measure = cfg.heldout_tau
     started = time.perf_counter()
@@ -327,9 +334,20 @@ def trainable_rows(dataset, split: str):
 
 @torch.no_grad()
 def heldout_report(
-    module: DrafterTrainingModule, heldout_ds, train_ds, *, pad_id: int, batch_size: int, seed: int
+    module: DrafterTrainingModule,
+    heldout_ds,
+    train_ds,
+    *,
+    pad_id: int,
+    batch_size: int,
+    seed: int,
+    precision=contextlib.nullcontext,
 ) -> dict:
-    """Per-position top-1 accuracy on held-out regenerated data vs the most-frequent-token baseline."""
+    """Per-position top-1 accuracy on held-out regenerated data vs the most-frequent-token baseline.
+
+    ``precision``: a context-manager factory each forward runs in, the trainer's
+    (``trainer.precision_plugin.forward_context``): the report sees the numerics training saw (bf16 autocast
+    with ``bf16-mixed``), and runs the same kernels (flex attention compiled for bf16 on CUDA)."""
     module.eval()
     module.target.model.to(module.device)
     preds, labels, masks, sel_preds = [], [], [], []
@@ -338,7 +356,8 @@ def heldout_report(
             [heldout_ds[i] for i in range(start, min(start + batch_size, len(heldout_ds)))], pad_id
         )
         batch = {k: v.to(module.device) for k, v in batch.items()}
-        out = module.block_outputs(batch, anchor_generator(seed + 2, start))
+        with precision():
+            out = module.block_outputs(batch, anchor_generator(seed + 2, start))
         preds.append(out["predictions"].flatten(0, 1))
         labels.append(out["labels"].flatten(0, 1))
         masks.append(out["label_mask"].flatten(0, 1))
