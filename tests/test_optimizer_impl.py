@@ -57,6 +57,8 @@ def _train(module, steps: int = 3) -> dict[str, torch.Tensor]:
     opt = module.configure_optimizers()["optimizer"]
     ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "loss_mask": (torch.arange(24) >= 8).long().expand(2, 24)}
+    device = next(module.drafter.parameters()).device
+    batch = {k: v.to(device) for k, v in batch.items()}  # as Lightning hands it over (the CUDA test's module)
     for step in range(steps):
         loss = module.block_outputs(batch, anchor_generator(0, step))["loss"]
         opt.zero_grad(set_to_none=True)
