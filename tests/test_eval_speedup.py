@@ -55,8 +55,13 @@ def _cli(monkeypatch, *overrides):
 
 def _check(res, batches):
     assert res["copy_bandwidth_GBps"] > 0 and res["weight_bytes"] > 0 and res["bound_ms_per_step"] > 0
+    P = res["num_prompts"]
     for N in batches:
         row = res["batches"][str(N)]
+        # the runtime decodes every prompt in batches of N (cycled to N rows if fewer); HF the first batch
+        every = {"prompts": P, "rows": max(P, N), "batches": [N] * (max(P, N) // N)}
+        assert row["ar"]["decoded"] == row["spec"]["decoded"] == every, (P, N)
+        assert row["hf"]["decoded"] == {"prompts": min(P, N), "rows": N, "batches": [N]}
         for key in ("hf", "ar", "spec"):
             assert row[key]["ms_per_step"]["median"] > 0 and row[key]["tokens_per_s"]["median"] > 0
             assert "sequences" not in row[key]
@@ -84,12 +89,13 @@ def test_trained_pair_command_writes_results_and_is_lossless(pair_dirs, tmp_path
     )
     res = json.loads((out / "results.json").read_text())
     _check(res, [1, 2])
-    assert res["random_weights"] is False and res["block_size"] == 4
+    assert res["random_weights"] is False and res["block_size"] == 4 and res["num_prompts"] == 2
     assert all(row["predicted"] == [] for row in res["batches"].values())  # a trained pair: measured only
     assert res["gdn"]["applicable"] and res["gdn"]["modes"] == ["reference"]  # the target is a hybrid
     assert all(row["gdn_mode"] == "reference" and "other_gdn_modes" not in row for row in res["batches"].values())
     md = (out / "results.md").read_text()
-    assert "| 2 | runtime spec (reference) |" in md and "lossless" in md
+    assert "| 2 | runtime spec (reference) | 2 prompts (1×2) |" in md and "lossless" in md
+    assert "| 1 | runtime AR (reference) | 2 prompts (2×1) |" in md and "| 1 | HF generate | 1 prompt (1×1) |" in md
     pytest.importorskip("matplotlib")
     assert (out / "step_breakdown.png").stat().st_size > 0
 
@@ -166,11 +172,19 @@ def test_report_names_the_attention_that_ran():
         "attention": "triton",
         "batches": {},
         "gdn": {"applicable": False, "requested": [], "reason": "the target has no GDN layers"},
-        "ablation_ar_batch1_no_fused_kernels": {"ms_per_step": stat, "attention": "sdpa", "gdn_mode": None},
+        "ablation_ar_batch1_no_fused_kernels": {
+            "ms_per_step": stat,
+            "attention": "sdpa",
+            "gdn_mode": None,
+            "decoded": {"prompts": 1, "rows": 1, "batches": [1]},
+        },
     }
     md = markdown(res)
     assert ", attention triton (prefill: SDPA);" in md
-    assert "without our Triton kernels (eager twins in the graphs, attention sdpa): 1.000 [1.000–1.000]" in md
+    assert (
+        "without our Triton kernels (eager twins in the graphs, attention sdpa), decoded 1 prompt (1×1): "
+        "1.000 [1.000–1.000]" in md
+    )
 
 
 def test_nothing_to_measure_is_one_line(monkeypatch, capsys, tmp_path):

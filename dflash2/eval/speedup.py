@@ -6,16 +6,24 @@ For each batch size, on the same prompts and weights:
     (b) runtime AR decode (CUDA graphs on GPU)  the honest baseline
     (c) runtime speculative decode              the drafter's worth
 
-Each is warmed up (a full generation: graphs captured, kernels compiled) and then run
-``runs`` times; reported are the median and the spread (min, max) over runs of the
-per-run median step time, tokens/s (generated tokens over wall time, prefill
-included), τ, and the step-time breakdown (draft / verify / accept / commit = rollback,
-and the host gap between steps, from CUDA events between phases). The weight-read bound
-is the model's weight bytes (one read per step) over the device-to-device copy bandwidth
-measured in the same run; the AR step's fraction of it and the achieved GB/s are printed
-beside. Lossless: (c) must equal (b) token for token; the first divergence is reported
-with the target's logit margin between the two tokens in the run's dtype. Random-weight
-shapes give real step times but meaningless τ: speedups there are predictions from a
+Every batch size N decodes every prompt: (b) and (c) run the prompts as consecutive batches of N
+rows, the last batch holding the rest at its own size (the runtime serves it in its own batch bucket,
+as it would serve a request of that size); with fewer prompts than N, one batch of the prompts cycled
+to N rows (the repeats are decoded and measured like any row: a throughput figure at batch N). (a) HF
+``generate`` decodes the first batch only (it is slow), the ablation row the first prompt; every
+method's ``decoded`` field says how many prompts and rows it decoded, in which batches.
+
+Each is warmed up (a full pass over the batches: graphs captured, kernels compiled) and then run
+``runs`` times; reported are the median and the spread (min, max) over runs of the per-run median
+step time (over the steps of all its batches), tokens/s (generated tokens of all rows over the
+batches' summed wall time, prefills included), τ (over all rows) and the step-time breakdown
+(draft / verify / accept / commit = rollback, and the host gap between steps, from CUDA events
+between phases). The weight-read bound is the model's weight bytes (one read per step) over the
+device-to-device copy bandwidth measured in the same run; the AR step's fraction of it and the
+achieved GB/s are printed beside. Lossless: (c) must equal (b) token for token on every row of
+every batch; the first divergence is reported with its row and prompt index (over all rows, not
+within its batch) and the target's logit margin between the two tokens in the run's dtype.
+Random-weight shapes give real step times but meaningless τ: speedups there are predictions from a
 given τ and the measured step times, and labelled so.
 
 Attention runs whatever ``set_attention_backend`` chose (the runtime's default: the Triton decode
@@ -42,8 +50,9 @@ from pathlib import Path
 
 import torch
 
+from dflash2.decoding.decoder import SpecResult
 from dflash2.eval import speedup_gdn
-from dflash2.eval.speedup_report import PHASES, lossless_text, write_results
+from dflash2.eval.speedup_report import PHASES, decoded_text, lossless_text, write_results
 from dflash2.runtime import Decoder, kernels
 from dflash2.runtime.cache import attention_in_use
 from dflash2.runtime.graphs import PhaseTimer
@@ -82,6 +91,27 @@ def _stats(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+# ----------------------------------------------------------------------------- prompts and batches
+def prompt_rows(num_prompts: int, N: int) -> list[int]:
+    """The prompt index of each row decoded at batch size N: every prompt once, in order; fewer prompts
+    than N are cycled to fill one batch (the repeats are decoded and measured like any row: what is
+    measured is throughput at batch N, and the results say how many rows came from how many prompts)."""
+    return [i % num_prompts for i in range(max(num_prompts, N))]
+
+
+def split_batches(rows: list, N: int) -> list[list]:
+    """Consecutive batches of N rows; the last holds the rest and runs at its own size (the Decoder keeps a
+    slot and its graphs per batch bucket, so that is how the runtime would serve it; no padding rows to
+    exclude from τ, tokens and the comparisons)."""
+    return [rows[i : i + N] for i in range(0, len(rows), N)]
+
+
+def decoded(rows: list[list[int]], batches: list[list]) -> dict:
+    """What a method decoded, as results record it: distinct prompts, rows (prompts and their repeats) and
+    the rows of each batch."""
+    return {"prompts": len({tuple(r) for r in rows}), "rows": len(rows), "batches": [len(b) for b in batches]}
+
+
 # ----------------------------------------------------------------------------- (a) HF generate
 GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0}  # the sampling settings of a greedy run
 
@@ -93,8 +123,8 @@ def is_sampled(sampling: dict | None) -> bool:
 
 @torch.no_grad()
 def time_hf(hf, prompts: list[list[int]], new_tokens: int, runs: int, sampling: dict | None = None) -> dict:
-    """HF ``generate`` (its default dynamic cache), exactly ``new_tokens`` per row; left-padded batch. Greedy, or
-    sampled with ``sampling`` (temperature > 0, top_k, top_p: :data:`GREEDY`'s keys)."""
+    """HF ``generate`` (its default dynamic cache), exactly ``new_tokens`` per row; ``prompts`` as one left-padded
+    batch. Greedy, or sampled with ``sampling`` (temperature > 0, top_k, top_p: :data:`GREEDY`'s keys)."""
     device = hf.get_input_embeddings().weight.device
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
@@ -120,66 +150,113 @@ def time_hf(hf, prompts: list[list[int]], new_tokens: int, runs: int, sampling: 
         "ms_per_step": _stats([w * 1e3 / new_tokens for w in walls]),
         "tokens_per_s": _stats([n / w for w in walls]),
         "new_tokens": new_tokens,
+        "decoded": decoded(prompts, [prompts]),
         "sequences": out[:, width:].tolist(),
     }
 
 
 # ----------------------------------------------------------------------------- (b), (c) runtime
 def time_runtime(
-    dec: Decoder, prompts, new_tokens: int, runs: int, spec: bool, progress=None, sampling=None, seed: int = 0
+    dec: Decoder,
+    prompts,
+    new_tokens: int,
+    runs: int,
+    spec: bool,
+    progress=None,
+    sampling=None,
+    seed: int = 0,
+    batch_size: int | None = None,
 ) -> dict:
-    """Warm-up generation, then ``runs`` timed ones with per-phase CUDA events. Greedy, or sampled with
-    ``sampling`` (:data:`GREEDY`'s keys), every generation drawing from a generator seeded with ``seed``."""
+    """A warm-up pass, then ``runs`` timed passes with per-phase CUDA events. A pass decodes every row of
+    ``prompts`` as consecutive batches of ``batch_size`` rows (None: one batch of all; :func:`split_batches`).
+    Greedy, or sampled with ``sampling`` (:data:`GREEDY`'s keys), every generation (one batch) drawing from
+    a generator seeded with ``seed``.
+
+    Per pass: tokens/s = new tokens of all rows / the batches' summed wall time (prefills included);
+    ms/step and each phase = the median over the steps of all batches. τ (spec) = tokens emitted by
+    verify steps / verify steps, over all rows of the last pass; sequences: its rows in ``prompts``' order.
+    ``progress`` advances by one per timed batch."""
     sampled = is_sampled(sampling)
     params = dict(sampling or GREEDY)
+    batches = split_batches(list(prompts), batch_size or len(prompts))
 
-    def gen():
+    def gen(batch):
         kw = dict(params)
         if sampled:
             kw["generator"] = torch.Generator(device=dec.device).manual_seed(seed)
         if spec:
-            res = dec.generate_spec(prompts, new_tokens, **kw)
+            res = dec.generate_spec(batch, new_tokens, **kw)
             return res.sequences, res
-        return dec.generate_ar(prompts, new_tokens, **kw), None
+        return dec.generate_ar(batch, new_tokens, **kw), None
 
-    gen()  # warm-up: first uses run eagerly, second uses capture
-    per_run, walls, toks, res, seqs = [], [], [], None, None
+    for batch in batches:  # warm-up: first uses run eagerly, second uses capture (each batch bucket)
+        gen(batch)
+    per_run, walls, toks, outs = [], [], [], []
     for _ in range(runs):
-        dec.timer = PhaseTimer(dec.device)
-        _sync(dec.device)
-        t0 = time.perf_counter()
-        seqs, res = gen()
-        _sync(dec.device)
-        walls.append(time.perf_counter() - t0)
-        per_run.append({k: statistics.median(v) for k, v in dec.timer.summary().items()})
-        toks.append(sum(len(s) for s in seqs))
+        timers, outs, wall = [], [], 0.0
+        for batch in batches:
+            # a timer per batch: a step's begin-to-begin time never spans the next batch's prefill
+            dec.timer = PhaseTimer(dec.device)
+            _sync(dec.device)
+            t0 = time.perf_counter()
+            outs.append(gen(batch))
+            _sync(dec.device)
+            wall += time.perf_counter() - t0
+            timers.append(dec.timer)
+            if progress is not None:
+                progress.update(1)
         dec.timer = None
-        if progress is not None:
-            progress.update(1)
+        per_run.append({k: statistics.median(v) for k, v in _pooled(timers).items()})
+        walls.append(wall)
+        toks.append(sum(len(seq) for seqs, _ in outs for seq in seqs))
     out = {
         "ms_per_step": _stats([r["step"] for r in per_run]),
         "tokens_per_s": _stats([t / w for t, w in zip(toks, walls)]),
         "phases_ms": {p: _stats([r[p] for r in per_run]) for p in PHASES if all(p in r for r in per_run)},
         "new_tokens": new_tokens,
-        "sequences": seqs,
+        "decoded": decoded(list(prompts), batches),
+        "sequences": [seq for seqs, _ in outs for seq in seqs],
     }
-    if res is not None:
+    if spec:
+        res = _concat([r for _, r in outs])
         out["tau"] = res.mean_tau
         out["steps"] = sum(res.steps)
     return out
 
 
-def first_divergence(model, prompts, ref, got) -> dict | None:
+def _pooled(timers: list[PhaseTimer]) -> dict[str, list[float]]:
+    """The per-step times of several timers (one per batch), phase by phase, as one timer's summary."""
+    out: dict[str, list[float]] = {}
+    for timer in timers:
+        for phase, ms in timer.summary().items():
+            out.setdefault(phase, []).extend(ms)
+    return out
+
+
+def _concat(results: list[SpecResult]) -> SpecResult:
+    """The SpecResults of consecutive batches as one over all their rows (τ is then over all rows)."""
+    return SpecResult(
+        [seq for r in results for seq in r.sequences],
+        [acc for r in results for acc in r.accepted_drafts],
+        [em for r in results for em in r.emitted],
+        results[0].block_size,
+    )
+
+
+def first_divergence(model, prompts, ref, got, prompt_index=None) -> dict | None:
     """First (row, position) where ``got`` differs from ``ref``, with the target's logits of both tokens there.
 
+    Rows are counted over all batches (``prompts[r]`` is row r's prompt); ``prompt`` is row r's index in
+    the prompt set, ``prompt_index[r]`` (None: row r is prompt r; they differ where prompts are cycled).
     The logits come from one eager prefill of prompt + the common prefix in the model's dtype: a margin
     near that dtype's rounding is numerics of two kernels (T=1 vs T=B), a large one a bug.
     """
     for r, (a, b) in enumerate(zip(ref, got)):
+        where = {"row": r, "prompt": r if prompt_index is None else prompt_index[r]}
         i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if i is None:
             if len(a) != len(b):
-                return {"row": r, "position": min(len(a), len(b)), "lengths": [len(a), len(b)]}
+                return {**where, "position": min(len(a), len(b)), "lengths": [len(a), len(b)]}
             continue
         ctx = list(prompts[r]) + list(a[:i])
         device = model.embed.weight.device
@@ -190,7 +267,7 @@ def first_divergence(model, prompts, ref, got) -> dict | None:
             ).logits[0]
         top2 = logits.float().topk(2).values
         return {
-            "row": r,
+            **where,
             "position": i,
             "ar_token": a[i],
             "spec_token": b[i],
@@ -273,6 +350,8 @@ def run_speedup(
 ) -> dict:
     """Measure (a), (b), (c) for each batch size on ``pair`` (speedup_setup.Pair); write results if output_dir.
 
+    At each batch size N, (b) and (c) decode every prompt of the pair, in consecutive batches of N rows
+    (:func:`prompt_rows`, :func:`split_batches`); (a) the first batch. Each method's ``decoded`` records it.
     gdn_modes: for a hybrid target, (b) and (c) are measured once per mode (speedup_gdn.py); the first is
     the headline row, the others go to each batch row's ``other_gdn_modes``. Ignored (recorded as not
     applicable) for a target without GDN layers. gdn_bench_iters: replays per phase of the per-layer bench.
@@ -302,6 +381,7 @@ def run_speedup(
         "weight_bytes": wbytes,
         "bound_ms_per_step": bound_ms,
         "sampling": dict(sampling or GREEDY),
+        "num_prompts": len(pair.prompts),  # every runtime row decodes all (see each method's ``decoded``)
         **(extra or {}),
         "attention": attention_in_use(device),  # what decode blocks ran (prefill: SDPA), fallbacks applied
         "gdn": speedup_gdn.summary(target, gdn_modes, modes, B),
@@ -309,13 +389,18 @@ def run_speedup(
     }
     where = f"{pair.label} on {results['device']}"
     log(f"{where}: weights {wbytes / 1e9:.3g} GB, copy {bw / 1e9:.0f} GB/s, bound {bound_ms:.3f} ms/step")
-    prompts_of = {N: [pair.prompts[i % len(pair.prompts)] for i in range(N)] for N in batch_sizes}
+    index_of = {N: prompt_rows(len(pair.prompts), N) for N in batch_sizes}  # each row's prompt
+    prompts_of = {N: [pair.prompts[i] for i in index_of[N]] for N in batch_sizes}
     rows = {N: {} for N in batch_sizes}
     for N in batch_sizes:
         if pair.hf is not None and hf_new_tokens > 0:  # HF's own GDN path: the same for every mode
-            rows[N]["hf"] = time_hf(pair.hf, prompts_of[N], hf_new_tokens, runs, sampling)
-    progress = _progress(len(batch_sizes) * 2 * runs * max(1, len(modes)))
+            # the first batch only: HF generate is too slow for every prompt at every batch size
+            rows[N]["hf"] = time_hf(pair.hf, prompts_of[N][:N], hf_new_tokens, runs, sampling)
+    batches = sum(len(split_batches(index_of[N], N)) for N in batch_sizes)
+    progress = _progress(batches * 2 * runs * max(1, len(modes)))  # timed batches, AR and spec, every mode
     first_ar = {}  # batch -> the headline mode's AR sequences: every mode is compared with them
+    measured = (max_new_tokens, runs, bound_ms, wbytes, predict_taus, progress, sampling, seed)  # every mode, N
+    sampled = is_sampled(sampling)
     for i, mode in enumerate(modes or [None]):  # None: not a hybrid, one pass with the target as it is
         if progress is not None and mode is not None:
             progress.set_description(f"timed generations, GDN {mode}")
@@ -323,12 +408,10 @@ def run_speedup(
             dec = Decoder(target, drafter, max_len=max_len)  # new states (and graphs) in this mode
             for N in batch_sizes:
                 prompts = prompts_of[N]
-                sub = _measure_mode(
-                    dec, prompts, max_new_tokens, runs, bound_ms, wbytes, predict_taus, progress, sampling, seed
-                )
+                sub = _measure_mode(dec, prompts, *measured, batch_size=N, prompt_index=index_of[N])
                 if mode is not None:
                     first_ar.setdefault(N, sub["ar"]["sequences"])
-                    sub["first_mode"] = cross_mode(target, prompts, first_ar[N], sub, is_sampled(sampling))
+                    sub["first_mode"] = cross_mode(target, prompts, first_ar[N], sub, sampled, index_of[N])
                     sub["gdn_layer"] = speedup_gdn.layer_cost(target, mode, N, B, iters=gdn_bench_iters)
                 if i == 0:
                     rows[N].update(sub, gdn_mode=mode)
@@ -339,7 +422,8 @@ def run_speedup(
                 if profile and device.type == "cuda":
                     results["profile_ar_batch1"] = profile_ar_step(dec, 1)
                 if ablate_kernels and device.type == "cuda":
-                    # the same graphs with the eager twins inside and SDPA attention: what our Triton kernels buy
+                    # the same graphs with the eager twins inside and SDPA attention: what our Triton kernels buy;
+                    # on the first prompt only (a step-time figure at batch 1; its ``decoded`` says so)
                     with kernels.kernels(False):
                         plain = Decoder(target, None, max_len=max_len)
                         results["ablation_ar_batch1_no_fused_kernels"] = {
@@ -356,9 +440,9 @@ def run_speedup(
     if progress is not None:
         progress.close()
     for N, row in rows.items():
-        if "hf" in row and not is_sampled(sampling):
+        if "hf" in row and not sampled:
             n = row["hf"]["new_tokens"]
-            hf_ar = zip(row["hf"]["sequences"], row["ar"]["sequences"])
+            hf_ar = zip(row["hf"]["sequences"], row["ar"]["sequences"])  # HF's rows: the first batch's, AR's first
             row["hf_prefix_equals_ar"] = [h[:n] == a[:n] for h, a in hf_ar]
         for _, sub in speedup_gdn.mode_rows(row):
             for k in ("hf", "ar", "spec"):
@@ -371,11 +455,25 @@ def run_speedup(
 
 
 def _measure_mode(
-    dec, prompts, max_new_tokens, runs, bound_ms, wbytes, predict_taus, progress, sampling=None, seed=0
+    dec,
+    prompts,
+    max_new_tokens,
+    runs,
+    bound_ms,
+    wbytes,
+    predict_taus,
+    progress,
+    sampling=None,
+    seed=0,
+    *,
+    batch_size=None,
+    prompt_index=None,
 ) -> dict:
-    """(b) and (c) on one Decoder (one GDN mode), their lossless flag and ratios: one (sub-)row. Sampled runs
-    (temperature > 0) have no token-level lossless flag: ``lossless`` is None there."""
-    timed = dict(runs=runs, progress=progress, sampling=sampling, seed=seed)
+    """(b) and (c) on one Decoder (one GDN mode), their lossless flag and ratios: one (sub-)row. Every row
+    of ``prompts`` is decoded in batches of ``batch_size`` (:func:`time_runtime`); lossless = every row of
+    every batch equal, the divergence naming its row over all batches and its prompt (``prompt_index``).
+    Sampled runs (temperature > 0) have no token-level lossless flag: ``lossless`` is None there."""
+    timed = dict(runs=runs, progress=progress, sampling=sampling, seed=seed, batch_size=batch_size)
     ar = time_runtime(dec, prompts, max_new_tokens, spec=False, **timed)
     spec = time_runtime(dec, prompts, max_new_tokens, spec=True, **timed)
     step, spec_step = ar["ms_per_step"]["median"], spec["ms_per_step"]["median"]
@@ -389,17 +487,17 @@ def _measure_mode(
         "lossless": lossless,
         "divergence": None
         if lossless is not False
-        else first_divergence(dec.model, prompts, ar["sequences"], spec["sequences"]),
+        else first_divergence(dec.model, prompts, ar["sequences"], spec["sequences"], prompt_index),
         "speedup_measured": spec["tokens_per_s"]["median"] / ar["tokens_per_s"]["median"],
         "predicted": [{"tau": t, "speedup": t * step / spec_step, "label": "prediction"} for t in predict_taus],
     }
 
 
-def cross_mode(model, prompts, first_ar, sub: dict, sampled: bool = False) -> dict:
+def cross_mode(model, prompts, first_ar, sub: dict, sampled: bool = False, prompt_index=None) -> dict:
     """Whether a mode's AR and spec outputs equal the first mode's AR output token for token, and the first
     divergence of each (both tokens and their logit margin) where not. Modes differ only in how GDN states
     are kept, so a difference is either rounding (a near-tie margin) or a state bug. Sampled runs: None
-    (not compared)."""
+    (not compared). Rows and prompt_index as in :func:`first_divergence`."""
     out = {}
     for key in ("ar", "spec"):
         if sampled:
@@ -408,7 +506,7 @@ def cross_mode(model, prompts, first_ar, sub: dict, sampled: bool = False) -> di
         seqs = sub[key]["sequences"]
         equal = seqs == first_ar
         out[f"{key}_equals_first_mode_ar"] = equal
-        out[f"{key}_divergence"] = None if equal else first_divergence(model, prompts, first_ar, seqs)
+        out[f"{key}_divergence"] = None if equal else first_divergence(model, prompts, first_ar, seqs, prompt_index)
     return out
 
 
@@ -430,7 +528,8 @@ def _row_line(N: int, row: dict, bound_ms: float, mode: str | None = None) -> st
     hf = f"HF {row['hf']['tokens_per_s']['median']:.1f} tok/s, " if "hf" in row else ""
     gdn = f" [GDN {mode}]" if mode else ""
     return (
-        f"batch {N}{gdn}: {hf}AR {ar['ms_per_step']['median']:.3f} ms/step ({row['ar_fraction_of_bound']:.0%} of bound "
+        f"batch {N}{gdn}, {decoded_text(spec['decoded'])}: {hf}AR {ar['ms_per_step']['median']:.3f} ms/step "
+        f"({row['ar_fraction_of_bound']:.0%} of bound "
         f"{bound_ms:.3f}), spec {spec['ms_per_step']['median']:.3f} ms/step tau {spec['tau']:.2f}, "
         f"verify/AR {row['verify_over_ar_step']:.2f}, lossless {lossless_text(row['lossless'])}"
     )

@@ -39,10 +39,11 @@ def markdown(results: dict) -> str:
         f"attention {_attention(results.get('attention', '?'))}; "
         f"weights read per step {results['weight_bytes'] / 1e9:.4g} GB, copy bandwidth "
         f"{results['copy_bandwidth_GBps']:.0f} GB/s (measured in this run) -> bound {bound:.3f} ms/step. "
-        "Median [min–max] over runs.",
+        "Median [min–max] over runs. Decoded: the prompts each method decoded (rows beyond them are repeats) "
+        "and its batches; the runtime decodes every prompt at every batch size, HF generate the first batch.",
         "",
-        "| batch | method | ms/step | tokens/s | τ | weight GB/s | % of bound | lossless |",
-        "|---|---|---|---|---|---|---|---|",
+        "| batch | method | decoded | ms/step | tokens/s | τ | weight GB/s | % of bound | lossless |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for N, row in results["batches"].items():
         methods = [("HF generate", "hf", row, None)] if "hf" in row else []
@@ -56,10 +57,11 @@ def markdown(results: dict) -> str:
             frac = f"{bound / ms:.0%}" if key != "spec" else "—"
             lossless = "" if key != "spec" else lossless_text(lossless_of["lossless"])
             lines.append(
-                f"| {N} | {name} | {_fmt(r['ms_per_step'], 3)} | {_fmt(r['tokens_per_s'], 1)} | {tau} | "
+                f"| {N} | {name} | {decoded_text(r.get('decoded'))} | {_fmt(r['ms_per_step'], 3)} | "
+                f"{_fmt(r['tokens_per_s'], 1)} | {tau} | "
                 f"{gbps:.4g} | {frac} | {lossless} |"
             )
-    lines += ["", "Step breakdown (ms, median over runs of the per-run median):", ""]
+    lines += ["", "Step breakdown (ms, median over runs of the per-run median over the steps of all batches):", ""]
     lines += ["| batch | method | " + " | ".join(PHASES) + " |", "|---|---|" + "---|" * len(PHASES)]
     for N, row in results["batches"].items():
         for mode, sub in speedup_gdn.mode_rows(row):
@@ -100,7 +102,7 @@ def markdown(results: dict) -> str:
         lines += [
             "",
             f"Ablation: runtime AR batch 1 without our Triton kernels (eager twins in the graphs, attention "
-            f"{abl.get('attention', '?')}): "
+            f"{abl.get('attention', '?')}), decoded {decoded_text(abl.get('decoded'))}: "
             f"{_fmt(abl['ms_per_step'], 3)} ms/step ({bound / abl['ms_per_step']['median']:.0%} of bound).",
         ]
     return "\n".join(lines) + "\n"
@@ -148,6 +150,18 @@ def _json_default(x):
     if isinstance(x, float) and math.isnan(x):
         return None
     return str(x)
+
+
+def decoded_text(decoded: dict | None) -> str:
+    """What a method decoded, as the tables print it: '16 prompts (2×8)', '3 prompts (2+1)' (the last batch
+    the rest), '8 rows from 3 prompts (1×8)' (prompts cycled to fill a batch); '?' for results without it."""
+    if not decoded:
+        return "?"
+    sizes = decoded["batches"]
+    batches = f"{len(sizes)}×{sizes[0]}" if len(set(sizes)) == 1 else "+".join(map(str, sizes))
+    n, rows = decoded["prompts"], decoded["rows"]
+    what = f"{n} prompt{'s' * (n != 1)}" if rows == n else f"{rows} rows from {n} prompt{'s' * (n != 1)}"
+    return f"{what} ({batches})"
 
 
 def lossless_text(flag: bool | None) -> str:
