@@ -58,7 +58,9 @@ def _check(res, batches):
     P = res["num_prompts"]
     for N in batches:
         row = res["batches"][str(N)]
-        # the runtime decodes every prompt in batches of N (cycled to N rows if fewer); HF the first batch
+        # the runtime decodes every prompt in batches of N (cycled to N rows if fewer); HF the first batch.
+        # Random weights: one batch of the first N prompts
+        P = N if res["random_weights"] else P
         every = {"prompts": P, "rows": max(P, N), "batches": [N] * (max(P, N) // N)}
         assert row["ar"]["decoded"] == row["spec"]["decoded"] == every, (P, N)
         assert row["hf"]["decoded"] == {"prompts": min(P, N), "rows": N, "batches": [N]}
@@ -102,13 +104,14 @@ def test_trained_pair_command_writes_results_and_is_lossless(pair_dirs, tmp_path
 
 def test_random_shape_predicts_and_labels_it(tmp_path, monkeypatch):
     out = tmp_path / "out"
-    overrides = ["shape=tiny", "batch_sizes=[1]", "max_new_tokens=10", "hf_new_tokens=3", "block_size=4"]
+    overrides = ["shape=tiny", "batch_sizes=[1,2]", "max_new_tokens=10", "hf_new_tokens=3", "block_size=4"]
     _cli(
         monkeypatch, *overrides, "drafter_layers=1", "prompt_tokens=6", "predict_taus=[2.5]", f"paths.output_dir={out}"
     )
     res = json.loads((out / "results.json").read_text())
-    _check(res, [1])
+    _check(res, [1, 2])
     assert res["random_weights"] is True and "shape=tiny" in res["label"]
+    assert res["num_prompts"] == 2  # max(batch_sizes) random prompts; batch 1 decoded only the first (_check)
     # the config's attention (default = triton) is recorded beside what ran: CPU tensors outside the
     # interpreter's on_cpu() run SDPA; no ablation row on the CPU
     assert res["attention_setting"] == "default" and res["attention"] == "sdpa"
