@@ -104,11 +104,15 @@ def on_cpu():
         _ON_CPU = old
 
 
-def jit(fn):
-    """``triton.jit(fn)``, made on first use and cached per interpreter mode (see the module docstring)."""
-    key = (fn, _interpret())
+def jit(fn, do_not_specialize: tuple[str, ...] = ()):
+    """``triton.jit(fn)``, made on first use and cached per interpreter mode (see the module docstring).
+
+    do_not_specialize: integer arguments Triton must not specialise on (by default it compiles a
+    variant for a value of 1 and one for multiples of 16), e.g. a row count whose value must not
+    change the compiled code."""
+    key = (fn, _interpret(), tuple(do_not_specialize))
     if key not in _CACHE:
         import triton
 
-        _CACHE[key] = triton.jit(fn)
+        _CACHE[key] = triton.jit(fn, do_not_specialize=list(do_not_specialize)) if do_not_specialize else triton.jit(fn)
     return _CACHE[key]
