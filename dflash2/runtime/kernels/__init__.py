@@ -13,6 +13,10 @@ These kernels fold each such group into one launch:
 * :func:`~dflash2.runtime.kernels.attention.decode_attention`: split-K decode attention over
   the static KV cache (the default attention on CUDA, ``set_attention_backend`` in cache.py; its twin
   is a naive fp32 softmax).
+* :func:`~dflash2.runtime.kernels.skinny_gemm.skinny_linear`: y = x @ Wᵀ for decode-sized x
+  (M ≤ 128 rows), streaming W once, batch invariant (a row's bits do not depend on M); its
+  fallback is ``F.linear``, its test twin an fp32 matmul. Not yet called by the models (its
+  module docstring has the opt-in switch's design).
 
 The Gated DeltaNet ops live in a folder each (docs/ARCHITECTURE.md §5.5): ``reference.py``
 (the plain-PyTorch twin, also ``GDNState``'s ``mode="reference"``), ``kernel.py`` (the
