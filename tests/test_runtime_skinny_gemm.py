@@ -188,3 +188,24 @@ def test_cuda_qwen3_8b_shapes(name, reduce):
             other = "kernel" if reduce == "fused" else "fused"
             assert torch.equal(skinny_linear(x[:16], w, b, **{**opts, "reduce": other}), full)
     torch.cuda.synchronize()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_cuda_odd_shapes(dtype, name):
+    """The CPU tests' odd shapes and options, compiled: close to the twin, rows bit-identical across M."""
+    opts = OPTIONS[name]
+    p = plan(N, K, dtype, torch.device("cuda"), **opts)
+    x, w, b = _inputs(40, dtype=dtype, device="cuda", bias=True)
+    full = skinny_linear(x[:16], w, b, **opts)
+    if dtype == torch.bfloat16:
+        _check(full, skinny_linear_ref(x[:16], w, b, p["k_split"]), dtype)
+    else:
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(full, skinny_linear_ref(x[:16], w, b, p["k_split"]), **tol)
+    for M in (1, 3):
+        assert torch.equal(skinny_linear(x[:M], w, b, **opts), full[:M])
+    assert torch.equal(skinny_linear(x[7:8], w, b, **opts)[0], full[7])
+    assert torch.equal(skinny_linear(x, w, b, **opts)[:16], full)
