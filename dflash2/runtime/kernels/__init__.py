@@ -13,6 +13,10 @@ These kernels fold each such group into one launch:
 * :func:`~dflash2.runtime.kernels.attention.decode_attention`: split-K decode attention over
   the static KV cache (the default attention on CUDA, ``set_attention_backend`` in cache.py; its twin
   is a naive fp32 softmax).
+* :func:`~dflash2.runtime.kernels.skinny_gemm.skinny_linear`: y = x @ Wᵀ for decode-sized x
+  (M ≤ 128 rows), streaming W once, batch invariant (a row's bits do not depend on M); its
+  fallback is ``F.linear``, its test twin an fp32 matmul. Not yet called by the models (its
+  module docstring has the opt-in switch's design).
 
 The Gated DeltaNet ops live in a folder each (docs/ARCHITECTURE.md §5.5): ``reference.py``
 (the plain-PyTorch twin, also ``GDNState``'s ``mode="reference"``), ``kernel.py`` (the
@@ -104,11 +108,15 @@ def on_cpu():
         _ON_CPU = old
 
 
-def jit(fn):
-    """``triton.jit(fn)``, made on first use and cached per interpreter mode (see the module docstring)."""
-    key = (fn, _interpret())
+def jit(fn, do_not_specialize: tuple[str, ...] = ()):
+    """``triton.jit(fn)``, made on first use and cached per interpreter mode (see the module docstring).
+
+    do_not_specialize: integer arguments Triton must not specialise on (by default it compiles a
+    variant for a value of 1 and one for multiples of 16), e.g. a row count whose value must not
+    change the compiled code."""
+    key = (fn, _interpret(), tuple(do_not_specialize))
     if key not in _CACHE:
         import triton
 
-        _CACHE[key] = triton.jit(fn)
+        _CACHE[key] = triton.jit(fn, do_not_specialize=list(do_not_specialize)) if do_not_specialize else triton.jit(fn)
     return _CACHE[key]
