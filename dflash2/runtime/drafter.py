@@ -21,7 +21,7 @@ A block ``[anchor, MASK × (B-1)]`` at positions lengths .. lengths+B-1 gives B-
 (positions 1 .. B-1 through the target's LM head): argmax or the selector's greedy
 path at T=0; at T>0 a draw from the warped full-vocabulary q (dense), the
 selector's sampled path (sparse q over its k candidates) or, with
-``argmax_drafts=True``, the T=0 drafts as a point mass (sampling.py).
+``argmax_drafts=True``, the T=0 drafts as a point mass (sampling.py, selector_path.py).
 
 Shapes: N rows, B block, P = B-1, d hidden, Hkv / H heads, hd head_dim, K·d taps, V vocab.
 """
@@ -39,7 +39,8 @@ from dflash2.drafter.io import load_drafter
 from dflash2.drafter.model import DFlashDrafter, apply_rope, rope_cos_sin
 from dflash2.errors import DFlash2Error
 from dflash2.runtime.cache import KVCache, StepMeta
-from dflash2.runtime.sampling import Proposal, sample, selector_sample_sparse
+from dflash2.runtime.sampling import Proposal, sample
+from dflash2.runtime.selector_path import selector_greedy_path, selector_sample_sparse
 
 
 class DraftContext:
@@ -207,7 +208,7 @@ class RuntimeDrafter:
         logits = self.target.lm_head(h.to(self.target.lm_head.weight.dtype)).float()  # (N, P, V)
         selector = self.drafter.candidate_selector
         if params.greedy or argmax_drafts:
-            tokens = selector.greedy_path(h, logits, anchor) if selector is not None else logits.argmax(-1)
+            tokens = selector_greedy_path(selector, h, logits, anchor) if selector is not None else logits.argmax(-1)
             return Proposal(tokens) if params.greedy else Proposal.point_mass(tokens)
         if selector is not None:
             return selector_sample_sparse(selector, h, logits, anchor, params.temperature, generator)
