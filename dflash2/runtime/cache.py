@@ -149,6 +149,13 @@ class KVCache:
         self.k[slot].scatter_(2, meta.write_index, k)
         self.v[slot].scatter_(2, meta.write_index, v)
 
+    def write_layers(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """k, v (L_a, N, Hkv, T, D) of every slot (any strides) -> the cache at positions (N, T): one scatter
+        each instead of one per slot (the drafter's context append writes all its layers at once)."""
+        index = positions[None, :, None, :, None].expand(k.shape)  # (L_a, N, Hkv, T, D)
+        self.k.scatter_(3, index, k)
+        self.v.scatter_(3, index, v)
+
     def attend(self, slot: int, q: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         """q (N, H, T, D) -> (N, H, T, D): softmax attention over the first meta.kv_len cache positions."""
         N, H, T, D = q.shape

@@ -262,8 +262,15 @@ def _patched(counter: OpCounter, target, drafter, raw: bool):
         wrap(cache.KVCache, "attend", attend)
     for i, layer in enumerate(target.layers):
         wrap(layer, "forward", around(lambda i=i, k=layer.kind: counter.scope(f"target {k} layer {i}")))
-    for i, layer in enumerate(drafter.drafter.layers):
-        wrap(layer, "_sublayer", around(lambda i=i: counter.scope(f"drafter layer {i}")))
+
+    def drafter_layer(fn):
+        def run(i, *args, **kwargs):
+            with counter.scope(f"drafter layer {i}"):
+                return fn(i, *args, **kwargs)
+
+        return run
+
+    wrap(drafter, "_layer", drafter_layer)
     wrap(drafter, "append", around(lambda: counter.scope("drafter append")))
     try:
         yield
