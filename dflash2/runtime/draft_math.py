@@ -5,10 +5,11 @@ little it computes (``python -m dflash2.runtime.phase_ops`` counts them), and th
 (dflash2/drafter/) are written for training: every RMSNorm casts its weight to fp32, RoPE builds
 rotate_half with a negation and a concatenation per tensor, the local conv repeats its per-group
 kernel over channels, rebuilds its in-block position mask and shifts its input once per tap and
-side. These functions compute the same values with the same roundings, bit for bit (every
-element goes through the same float operations, in the same order, on the same operands;
-tests/test_runtime_draft_math.py checks with ``torch.equal``), with the constant parts prepared
-once (:mod:`dflash2.runtime.draft_weights`) and the rest batched:
+side. These functions compute the same values with the same roundings (every element goes
+through the same float operations, in the same order, on the same operands; bit for bit on the
+CPU, tests/test_runtime_draft_math.py; the one reduction, a norm's mean over a row, sums in the
+order of the library's kernel, which on a GPU may depend on how many rows a call has), with the
+constant parts prepared once (:mod:`dflash2.runtime.draft_weights`) and the rest batched:
 
 * :func:`rms_norm`: ``RMSNorm.forward`` with the fp32 weight made once (one cast fewer per call);
   rows of several heads or layers normalised in one call with a weight per row (stacked weights);
