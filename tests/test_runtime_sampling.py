@@ -23,7 +23,8 @@ from dflash2.drafter.selector import CandidateSelector
 from dflash2.runtime import load_model
 from dflash2.runtime.drafter import RuntimeDrafter
 from dflash2.runtime.engine import generate_ar, generate_spec
-from dflash2.runtime.sampling import Proposal, rejection_accept_proposal, sample, selector_sample_sparse
+from dflash2.runtime.sampling import Proposal, rejection_accept_proposal, sample
+from dflash2.runtime.selector_path import selector_sample_sparse
 from dflash2.runtime.step import accept_sampled
 
 V, P, K = 8, 3, 3  # vocab, drafted positions, sparse candidates

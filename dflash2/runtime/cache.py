@@ -24,7 +24,7 @@ heads per K/V head, S_max cache positions, S ≤ S_max positions attended, D hea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -82,7 +82,6 @@ def attention_in_use(device: torch.device | str) -> str:
     return "efficient" if _SDPA_BACKENDS is not None and probe.is_cuda else "sdpa"
 
 
-@dataclass
 class StepMeta:
     """Per-step metadata, built once per forward and shared by all layers.
 
@@ -90,6 +89,9 @@ class StepMeta:
     write_index: (N, Hkv, T, D) long, positions broadcast for ``scatter_`` into the K/V cache (a view).
     mask:        (N, 1, G·T, S) bool, True where a query may attend: query row g·T + t of row n sees
                  key positions ≤ positions[n, t] (the committed context and the block causally).
+                 Built on first use when given as a function: the Triton decode kernel reads the limits
+                 from ``positions`` (``mask_rule``) and never needs it, so a step that only runs that
+                 kernel (every decode block on CUDA) launches none of the mask's ops.
     kv_len:      S, the cache positions attended (a static bound ≤ S_max; positions beyond are never read).
     mask_rule:   what ``mask`` says in terms of positions, for the Triton decode kernel, which reads the
                  limits from ``positions`` instead of a dense mask: 'causal' (query t of row n sees keys
@@ -98,11 +100,22 @@ class StepMeta:
                  window: SDPA with the mask).
     """
 
-    positions: torch.Tensor
-    write_index: torch.Tensor | None
-    mask: torch.Tensor | None
-    kv_len: int
-    mask_rule: str | None = None
+    def __init__(
+        self,
+        positions: torch.Tensor,
+        write_index: torch.Tensor | None,
+        mask: torch.Tensor | Callable[[], torch.Tensor] | None,
+        kv_len: int,
+        mask_rule: str | None = None,
+    ):
+        self.positions, self.write_index, self.kv_len, self.mask_rule = positions, write_index, kv_len, mask_rule
+        self._mask = mask
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        if callable(self._mask):
+            self._mask = self._mask()
+        return self._mask
 
 
 class KVCache:
@@ -135,6 +148,13 @@ class KVCache:
         """k, v (N, Hkv, T, D) -> cache slot at meta.positions (in place, static addresses)."""
         self.k[slot].scatter_(2, meta.write_index, k)
         self.v[slot].scatter_(2, meta.write_index, v)
+
+    def write_layers(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """k, v (L_a, N, Hkv, T, D) of every slot (any strides) -> the cache at positions (N, T): one scatter
+        each instead of one per slot (the drafter's context append writes all its layers at once)."""
+        index = positions[None, :, None, :, None].expand(k.shape)  # (L_a, N, Hkv, T, D)
+        self.k.scatter_(3, index, k)
+        self.v.scatter_(3, index, v)
 
     def attend(self, slot: int, q: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         """q (N, H, T, D) -> (N, H, T, D): softmax attention over the first meta.kv_len cache positions."""
@@ -198,9 +218,13 @@ class DecodeState:
         kv_len = self.kv.max_len if kv_len is None else kv_len
         hkv, D = self.kv.k.shape[2], self.kv.k.shape[-1]
         write_index = positions[:, None, :, None].expand(-1, hkv, -1, D)  # (N, Hkv, T, D)
-        keys = torch.arange(kv_len, device=device)
-        mask = keys[None, None, :] <= positions[:, :, None]  # (N, T, S)
-        mask = mask.repeat(1, self.kv.groups, 1)[:, None]  # (N, 1, G·T, S), row g·T + t
+        groups = self.kv.groups
+
+        def mask() -> torch.Tensor:
+            keys = torch.arange(kv_len, device=device)
+            visible = keys[None, None, :] <= positions[:, :, None]  # (N, T, S)
+            return visible.repeat(1, groups, 1)[:, None]  # (N, 1, G·T, S), row g·T + t
+
         return StepMeta(positions, write_index, mask, kv_len, "causal")
 
     def commit(self, n: torch.Tensor, defer: bool = True) -> None:

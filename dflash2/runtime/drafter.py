@@ -1,27 +1,33 @@
 """The DFlash / DFlash2 drafter in the runtime: its weights, a static context cache (docs/ARCHITECTURE.md §2.7).
 
-Same weights and the same math as :class:`dflash2.drafter.DFlashDrafter` (the module
-is used as it is: its projections, norms, fusion, local conv and selector), with
-the reference ``ContextCache`` replaced by :class:`DraftContext`:
+Same weights and the same math as :class:`dflash2.drafter.DFlashDrafter`, bit for bit, with
+the reference ``ContextCache`` replaced by :class:`DraftContext` and the layers' arithmetic
+arranged for a decode step, which at batch 1 costs what its number of kernels costs
+(``python -m dflash2.runtime.phase_ops``):
 
 * context K/V of every drafter layer live in a preallocated :class:`KVCache`
   (L_d, N, Hkv, S_max, hd); row r's context occupies positions 0 .. lengths[r]-1
   and ``lengths`` stays on the device (no host sync, no reallocation);
 * the target's verify forward writes its taps straight into ``DraftContext.taps``
   (N, B, K·d) (``taps_out=``, no hooks); :meth:`RuntimeDrafter.append` fuses the
-  first n[r] of them (fc + hidden_norm), projects K/V per layer and writes them at
-  positions lengths[r] .. (per row), then advances lengths by n;
+  first n[r] of them (fc + hidden_norm), projects K/V of all layers in one GEMM, normalises
+  and rotates the K of all layers together and writes them at positions lengths[r] ..
+  (per row, one scatter for K and one for V), then advances lengths by n;
 * a draft step writes the block's own K/V into the same cache at positions
   lengths .. lengths+B-1 (past the context: the next append overwrites them) and
-  attends over the first kv_len positions with a mask that shows each row its
-  context and its whole block (bidirectional), so no context K/V is ever copied or
-  concatenated and GQA folds query groups instead of repeating K/V (cache.py).
+  attends over the first kv_len positions, every row its context and its whole block
+  (bidirectional; the Triton decode kernel's 'block' rule, the dense mask only where SDPA
+  runs), so no context K/V is ever copied or concatenated and GQA folds query groups
+  instead of repeating K/V (cache.py); per layer, q|k|v is one GEMM, q and k are normalised
+  and rotated together, and the local conv is two products (draft_math.py, draft_weights.py);
+* the drafter's modules are read for their weights once (:class:`DraftWeights`) and called
+  as they are for the MLP, fc, output projection and selector codebooks.
 
 A block ``[anchor, MASK × (B-1)]`` at positions lengths .. lengths+B-1 gives B-1 drafts
 (positions 1 .. B-1 through the target's LM head): argmax or the selector's greedy
 path at T=0; at T>0 a draw from the warped full-vocabulary q (dense), the
 selector's sampled path (sparse q over its k candidates) or, with
-``argmax_drafts=True``, the T=0 drafts as a point mass (sampling.py).
+``argmax_drafts=True``, the T=0 drafts as a point mass (sampling.py, selector_path.py).
 
 Shapes: N rows, B block, P = B-1, d hidden, Hkv / H heads, hd head_dim, K·d taps, V vocab.
 """
@@ -32,14 +38,18 @@ import os
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 
 from dflash2.decoding.sampling import SamplingParams, warp_probs
 from dflash2.drafter.from_target import check_drafter_matches_target
 from dflash2.drafter.io import load_drafter
-from dflash2.drafter.model import DFlashDrafter, apply_rope, rope_cos_sin
+from dflash2.drafter.model import DFlashDrafter
 from dflash2.errors import DFlash2Error
 from dflash2.runtime.cache import KVCache, StepMeta
-from dflash2.runtime.sampling import Proposal, sample, selector_sample_sparse
+from dflash2.runtime.draft_math import conv_kernels, conv_side, rms_norm, rope_tables, rotate
+from dflash2.runtime.draft_weights import DraftWeights
+from dflash2.runtime.sampling import Proposal, sample
+from dflash2.runtime.selector_path import selector_greedy_path, selector_sample_sparse
 
 
 class DraftContext:
@@ -52,29 +62,39 @@ class DraftContext:
 
     def __init__(self, lengths: torch.Tensor, kv: KVCache, taps: torch.Tensor):
         self.lengths, self.kv, self.taps = lengths, kv, taps
+        self._offsets = torch.arange(kv.max_len, device=lengths.device)  # made once: positions are one add
+
+    def positions(self, T: int) -> torch.Tensor:
+        """(N, T) long: lengths + 0 .. T-1, the positions of a block (or of appended taps) per row."""
+        return self.lengths[:, None] + self._offsets[:T]
 
     def meta(self, T: int, kv_len: int | None = None, attend: bool = True, window: int | None = None) -> StepMeta:
         """Positions lengths + 0..T-1 per row, their write index and (attend) the draft mask.
 
         Mask (N, 1, 1, S), broadcast over heads and queries: key s is visible iff s < lengths + T,
-        the row's context and the whole block (bidirectional inside the block, §2.5). With ``window``
-        (sliding_attention layers, §2.4) also |position − s| < window (cache index = position), per
-        query: (N, 1, G·T, S) in the folded-GQA row order g·T + t.
+        the row's context and the whole block (bidirectional inside the block, §2.5); built only if
+        SDPA runs (the Triton decode kernel reads the 'block' rule from the positions). With
+        ``window`` (sliding_attention layers, §2.4) also |position − s| < window (cache index =
+        position), per query: (N, 1, G·T, S) in the folded-GQA row order g·T + t.
         """
         device = self.lengths.device
-        positions = self.lengths[:, None] + torch.arange(T, device=device)  # (N, T)
+        positions = self.positions(T)  # (N, T)
         hkv, D = self.kv.k.shape[2], self.kv.k.shape[-1]
         write_index = positions[:, None, :, None].expand(-1, hkv, -1, D)  # (N, Hkv, T, D)
         if not attend:
             return StepMeta(positions, write_index, None, 0)
         kv_len = self.kv.max_len if kv_len is None else kv_len
-        keys = torch.arange(kv_len, device=device)
-        mask = (keys[None, :] < (self.lengths + T)[:, None])[:, None, None, :]  # (N, 1, 1, S)
+        lengths, groups = self.lengths, self.kv.groups
+
+        def mask() -> torch.Tensor:
+            keys = torch.arange(kv_len, device=device)
+            return (keys[None, :] < (lengths + T)[:, None])[:, None, None, :]  # (N, 1, 1, S)
+
         if window is None:  # keys ≤ positions[n, T-1] for every query: the decode kernel's 'block' rule
             return StepMeta(positions, write_index, mask, kv_len, "block")
+        keys = torch.arange(kv_len, device=device)
         inside = (positions[:, :, None] - keys).abs() < window  # (N, T, S)
-        mask = (mask & inside[:, None]).repeat(1, 1, self.kv.groups, 1)  # (N, 1, G·T, S)
-        return StepMeta(positions, write_index, mask, kv_len)
+        return StepMeta(positions, write_index, (mask() & inside[:, None]).repeat(1, 1, groups, 1), kv_len)
 
 
 class RuntimeDrafter:
@@ -112,6 +132,8 @@ class RuntimeDrafter:
         self.config = cfg
         self.block_size = cfg.block_size
         self.dtype = weight.dtype
+        self.weights = DraftWeights.of(self.drafter)  # read once: build a new RuntimeDrafter after changing them
+        self._masks = torch.full((1, cfg.block_size - 1), cfg.mask_token_id, dtype=torch.long, device=device)
 
     # ------------------------------------------------------------------ state
     def new_context(self, batch_size: int, max_len: int) -> DraftContext:
@@ -139,27 +161,48 @@ class RuntimeDrafter:
 
         Row r keeps the first n[r] (N,) long; the K/V of the rest land past its length (never read,
         overwritten later). Same values as ``ContextCache.append``: c = hidden_norm(fc(taps)), then per
-        layer K = RoPE(k_norm(k_proj(c))), V = v_proj(c).
+        layer K = RoPE(k_norm(k_proj(c))), V = v_proj(c) — all layers in one GEMM, one norm, one RoPE.
         """
-        T = taps.shape[1]
-        c = self.drafter.fuse_context(taps.to(self.dtype))  # (N, T, d)
-        meta = ctx.meta(T, attend=False)
-        cos, sin = rope_cos_sin(meta.positions, self.config.head_dim, self.config.rope_theta, c.dtype)
-        for i, layer in enumerate(self.drafter.layers):
-            k, v = layer.self_attn.context_kv(c, cos, sin)  # (N, Hkv, T, hd)
-            ctx.kv.write(i, k, v, meta)
+        N, T, _ = taps.shape
+        w, hd, L = self.weights, self.config.head_dim, len(self.drafter.layers)
+        c = rms_norm(self.drafter.fc(taps.to(self.dtype)), w.hidden_norm, w.eps)  # (N, T, d): fuse_context
+        positions = ctx.positions(T)
+        cos, sin = rope_tables(positions, w.rope_freqs, w.rope_sign, c.dtype)  # (N, T, 1, hd)
+        kv = F.linear(c, w.context_kv).view(N, T, 2, -1, hd)  # (N, T, 2, L·Hkv, hd): [K | V] of every layer
+        k = rotate(rms_norm(kv[:, :, 0], w.context_k_norm, w.eps), cos, sin)  # (N, T, L·Hkv, hd)
+        per_layer = (N, T, L, -1, hd)  # -> (L, N, Hkv, T, hd)
+        ctx.kv.write_layers(
+            k.view(per_layer).permute(2, 0, 3, 1, 4), kv[:, :, 1].view(per_layer).permute(2, 0, 3, 1, 4), positions
+        )
         ctx.lengths += n
 
     # ------------------------------------------------------------------ draft
-    def _attention(self, attn, x, cos, sin, kv: KVCache, slot: int, meta: StepMeta) -> torch.Tensor:
-        """The drafter attention (``dflash2.drafter.model.Attention``) over the static cache. x (N, B, d)."""
+    def _attention(self, i: int, x, cos, sin, kv: KVCache, meta: StepMeta) -> torch.Tensor:
+        """Layer i's attention (``dflash2.drafter.model.Attention``) over the static cache. x (N, B, d) -> (N, B, d)."""
+        attn = self.drafter.layers[i].self_attn
         N, T, _ = x.shape
-        q = attn.q_norm(attn.q_proj(x).view(N, T, attn.h, attn.hd)).transpose(1, 2)
-        q = apply_rope(q, cos, sin)  # (N, H, B, hd)
-        k, v = attn.context_kv(x, cos, sin)  # block K/V: the same projections as the context's
-        kv.write(slot, k, v, meta)  # at lengths .. lengths+B-1, right after the row's context
-        y = kv.attend(slot, q, meta)  # (N, H, B, hd)
-        return attn.o_proj(y.transpose(1, 2).reshape(N, T, attn.h * attn.hd))
+        H, hd = attn.h, attn.hd
+        qkv = F.linear(x, self.weights.layers[i].qkv).view(N, T, -1, hd)  # (N, T, H + 2·Hkv, hd)
+        # q and k: their own norm weights per head, one RoPE (block K/V: the same projections as the context's)
+        qk = rotate(rms_norm(qkv[:, :, : H + attn.hkv], self.weights.layers[i].qk_norm, self.weights.eps), cos, sin)
+        q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + attn.hkv :]
+        kv.write(i, k.transpose(1, 2), v.transpose(1, 2), meta)  # at lengths .. lengths+B-1, after the context
+        y = kv.attend(i, q.transpose(1, 2), meta)  # (N, H, B, hd)
+        return attn.o_proj(y.transpose(1, 2).reshape(N, T, H * hd))
+
+    def _sublayer(self, h: torch.Tensor, norm: torch.Tensor, conv, fn) -> torch.Tensor:
+        """``DecoderLayer._sublayer``: h + post-conv(fn(pre-conv(norm(h)))), no conv for v1. h (N, B, d)."""
+        x = rms_norm(h, norm, self.weights.eps)
+        if conv is None:
+            return h + fn(x)
+        kernels = conv_kernels(x, conv.projection, conv.base)  # both sides' kernels, from the normed input
+        return h + conv_side(fn(conv_side(x, kernels, 0)), kernels, 1)
+
+    def _layer(self, i: int, h: torch.Tensor, cos, sin, kv: KVCache, meta: StepMeta) -> torch.Tensor:
+        """Drafter layer i on the block h (N, B, d) -> (N, B, d)."""
+        w = self.weights.layers[i]
+        h = self._sublayer(h, w.input_norm, w.attention_conv, lambda x: self._attention(i, x, cos, sin, kv, meta))
+        return self._sublayer(h, w.post_norm, w.mlp_conv, self.drafter.layers[i].mlp)
 
     @torch.no_grad()
     def hidden(self, ctx: DraftContext, anchor: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
@@ -168,23 +211,15 @@ class RuntimeDrafter:
         anchor (N,) long. kv_len: cache positions attended, ≥ max(lengths) + B (default all).
         """
         N, B = anchor.shape[0], self.block_size
-        ids = torch.cat([anchor[:, None], anchor.new_full((N, B - 1), self.config.mask_token_id)], dim=1)
+        ids = torch.cat([anchor[:, None], self._masks.expand(N, -1)], dim=1)  # (N, B)
         h = self.drafter.embed_block(ids, self.target.embed).to(self.dtype)  # (N, B, d): the target's embedding
         meta = ctx.meta(B, kv_len)
         sliding = self.drafter.sliding_layers
         window_meta = ctx.meta(B, kv_len, window=self.config.sliding_window) if any(sliding) else None
-        cos, sin = rope_cos_sin(meta.positions, self.config.head_dim, self.config.rope_theta, h.dtype)
-        for i, layer in enumerate(self.drafter.layers):
-            m = window_meta if sliding[i] else meta
-            # the layer's own sub-layer wiring (norm, DFlash2 pre/post conv, residual), our attention inside
-            h = layer._sublayer(
-                h,
-                layer.input_layernorm,
-                layer.attention_conv,
-                lambda x, layer=layer, i=i, m=m: self._attention(layer.self_attn, x, cos, sin, ctx.kv, i, m),
-            )
-            h = layer._sublayer(h, layer.post_attention_layernorm, layer.mlp_conv, layer.mlp)
-        return self.drafter.norm(h)
+        cos, sin = rope_tables(meta.positions, self.weights.rope_freqs, self.weights.rope_sign, h.dtype)
+        for i in range(len(self.drafter.layers)):
+            h = self._layer(i, h, cos, sin, ctx.kv, window_meta if sliding[i] else meta)
+        return rms_norm(h, self.weights.final_norm, self.weights.eps)
 
     @torch.no_grad()
     def propose(
@@ -207,7 +242,7 @@ class RuntimeDrafter:
         logits = self.target.lm_head(h.to(self.target.lm_head.weight.dtype)).float()  # (N, P, V)
         selector = self.drafter.candidate_selector
         if params.greedy or argmax_drafts:
-            tokens = selector.greedy_path(h, logits, anchor) if selector is not None else logits.argmax(-1)
+            tokens = selector_greedy_path(selector, h, logits, anchor) if selector is not None else logits.argmax(-1)
             return Proposal(tokens) if params.greedy else Proposal.point_mass(tokens)
         if selector is not None:
             return selector_sample_sparse(selector, h, logits, anchor, params.temperature, generator)

@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass
@@ -107,26 +106,3 @@ def rejection_accept_proposal(
     # mass == 0 only when p_a == q_a, where a rejection has probability 0 (rounding): fall back to p
     resid = torch.where(mass > 0, resid / mass.clamp_min(1e-30), p_a)
     return a, sample(resid, generator)
-
-
-@torch.no_grad()
-def selector_sample_sparse(
-    selector, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor, temperature: float, generator=None
-) -> Proposal:
-    """The DFlash2 selector's T>0 path with q kept sparse over its k candidates.
-
-    hidden (N, P, d), logits (N, P, V) fp32, anchor_ids (N,). Same draws in the same order as
-    ``CandidateSelector.sample_path`` (position by position from softmax(edge scores / T) given the
-    sampled predecessor), whose dense q is this proposal's ``densify``.
-    """
-    cand_ids, unary = selector.candidates(logits)  # (N, P, k) each
-    pred, tokens, probs = anchor_ids, [], []
-    for pos in range(cand_ids.shape[1]):
-        sl = slice(pos, pos + 1)
-        scores = selector.edge_scores(hidden[:, sl], pred[:, None], cand_ids[:, sl], unary[:, sl])[:, 0]  # (N, k)
-        prob = F.softmax(scores / temperature, dim=-1)
-        pick = sample(prob, generator)  # (N,): torch.multinomial's draw, without its sync
-        pred = cand_ids[:, pos].gather(-1, pick[:, None])[:, 0]
-        tokens.append(pred)
-        probs.append(prob)
-    return Proposal(torch.stack(tokens, 1), cand_ids, torch.stack(probs, 1))
