@@ -115,6 +115,7 @@ def test_random_shape_predicts_and_labels_it(tmp_path, monkeypatch):
     # the config's attention (default = triton) is recorded beside what ran: CPU tensors outside the
     # interpreter's on_cpu() run SDPA; no ablation row on the CPU
     assert res["attention_setting"] == "default" and res["attention"] == "sdpa"
+    assert res["gemm_setting"] == "cublas" and res["gemm"] == "cublas"  # the default: F.linear
     assert "ablation_ar_batch1_no_fused_kernels" not in res
     (pred,) = res["batches"]["1"]["predicted"]
     assert pred["tau"] == 2.5 and pred["label"] == "prediction" and pred["speedup"] > 0
@@ -158,6 +159,30 @@ def test_unknown_attention_is_one_line(monkeypatch, capsys, tmp_path):
     assert not (out / "results.json").exists()
 
 
+def test_gemm_setting_and_what_ran_are_recorded(tmp_path, monkeypatch):
+    from dflash2.runtime.gemm import gemm_backend
+
+    out = tmp_path / "out"
+    overrides = ["shape=tiny", "batch_sizes=[1]", "max_new_tokens=4", "hf_new_tokens=2", "block_size=4"]
+    _cli(monkeypatch, *overrides, "gemm=skinny", "drafter_layers=1", "prompt_tokens=6", f"paths.output_dir={out}")
+    res = json.loads((out / "results.json").read_text())
+    # the setting beside what ran: CPU tensors outside the interpreter's on_cpu() run F.linear
+    assert res["gemm_setting"] == "skinny" and res["gemm"] == "cublas"
+    assert res["batches"]["1"]["lossless"] is True
+    assert ", GEMM cublas, attention sdpa;" in (out / "results.md").read_text()
+    assert gemm_backend() == "cublas"  # the command gives the process its setting back
+
+
+def test_unknown_gemm_is_one_line(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        _cli(monkeypatch, "shape=tiny", "gemm=cutlass", f"paths.output_dir={out}")
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines() == [
+        "error: gemm=cutlass: GEMM backend 'cutlass' not known; use one of default, cublas, skinny"
+    ]
+    assert not (out / "results.json").exists()
+
+
 def test_report_names_the_attention_that_ran():
     from dflash2.eval.speedup_report import markdown
 
@@ -173,6 +198,7 @@ def test_report_names_the_attention_that_ran():
         "bound_ms_per_step": 0.5,
         "random_weights": True,
         "attention": "triton",
+        "gemm": "skinny",
         "batches": {},
         "gdn": {"applicable": False, "requested": [], "reason": "the target has no GDN layers"},
         "ablation_ar_batch1_no_fused_kernels": {
@@ -183,7 +209,7 @@ def test_report_names_the_attention_that_ran():
         },
     }
     md = markdown(res)
-    assert ", attention triton (prefill: SDPA);" in md
+    assert ", GEMM skinny (prefill > 128 rows: cuBLAS), attention triton (prefill: SDPA);" in md
     assert (
         "without our Triton kernels (eager twins in the graphs, attention sdpa), decoded 1 prompt (1×1): "
         "1.000 [1.000–1.000]" in md
@@ -219,3 +245,4 @@ def test_profile_counts_attention_apart_from_gemms():
     assert not is_gemm("fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel)")
     assert not is_gemm("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x")
     assert not is_gemm("_add_rms_norm_kernel")
+    assert is_gemm("_skinny_gemm_kernel") and is_gemm("_splitk_reduce_kernel")  # gemm=skinny's two kernels

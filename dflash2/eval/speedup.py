@@ -28,9 +28,12 @@ given τ and the measured step times, and labelled so.
 
 Attention runs whatever ``set_attention_backend`` chose (the runtime's default: the Triton decode
 kernel on CUDA); ``results["attention"]`` records what decode blocks actually ran on the device
-(``cache.attention_in_use``). The ablation row (``ablate_kernels``, GPU) is runtime AR at batch 1
-without our Triton kernels (``kernels(False)``): eager twins of the fused kernels and PyTorch's SDPA
-for attention (its ``attention`` field says so); GDN layers keep the headline mode (its ``gdn_mode``).
+(``cache.attention_in_use``). Likewise the target's projections run the GEMM ``set_gemm_backend``
+chose (gemm.py; the default ``F.linear``, cuBLAS; 'skinny': the Triton skinny GEMM for ≤ 128 rows),
+recorded in ``results["gemm"]`` as what ran (``gemm.gemm_in_use``). The ablation row
+(``ablate_kernels``, GPU) is runtime AR at batch 1 without our Triton kernels (``kernels(False)``):
+eager twins of the fused kernels, PyTorch's SDPA for attention and ``F.linear`` for the GEMMs (its
+``attention`` and ``gemm`` fields say so); GDN layers keep the headline mode (its ``gdn_mode``).
 
 A hybrid target (Gated DeltaNet layers) runs (b) and (c) once per GDN mode of ``gdn_modes``
 (ReplaySSM, native rollback, ...; speedup_gdn.py): each mode's lossless flag compares its own (c)
@@ -55,6 +58,7 @@ from dflash2.eval import speedup_gdn
 from dflash2.eval.speedup_report import PHASES, decoded_text, lossless_text, write_results
 from dflash2.runtime import Decoder, kernels
 from dflash2.runtime.cache import attention_in_use
+from dflash2.runtime.gemm import gemm_in_use
 from dflash2.runtime.graphs import PhaseTimer
 
 
@@ -384,6 +388,7 @@ def run_speedup(
         "num_prompts": len(pair.prompts),  # every runtime row decodes all (see each method's ``decoded``)
         **(extra or {}),
         "attention": attention_in_use(device),  # what decode blocks ran (prefill: SDPA), fallbacks applied
+        "gemm": gemm_in_use(device),  # what the target's decode-sized projections ran, fallbacks applied
         "gdn": speedup_gdn.summary(target, gdn_modes, modes, B),
         "batches": {},
     }
@@ -434,6 +439,7 @@ def run_speedup(
                             ),
                             "gdn_mode": mode,
                             "attention": attention_in_use(device),
+                            "gemm": gemm_in_use(device),
                         }
                     del plain
             del dec

@@ -58,9 +58,9 @@ def build_pair(cfg):
 
 def run(cfg) -> dict:
     """Build the pair from the composed config, measure, write results; returns the results dict."""
-    from dflash2.eval.speedup import run_speedup
     from dflash2.eval.speedup_gdn import check_names
     from dflash2.runtime.cache import set_attention_backend
+    from dflash2.runtime.gemm import gemm_backend, set_gemm_backend
 
     modes = cfg.gdn_modes
     modes = check_names([modes] if isinstance(modes, str) else modes)  # gdn_modes=replay: one mode; typos first
@@ -68,6 +68,21 @@ def run(cfg) -> dict:
         set_attention_backend(cfg.attention)
     except ValueError as e:
         raise DFlash2Error(f"attention={cfg.attention}: {e}") from None
+    gemm = cfg.get("gemm", "cublas")
+    previous_gemm = gemm_backend()
+    try:
+        set_gemm_backend(gemm)
+    except ValueError as e:
+        raise DFlash2Error(f"gemm={gemm}: {e}") from None
+    try:
+        return _measure(cfg, modes, gemm)
+    finally:
+        set_gemm_backend(previous_gemm)  # a caller in the same process (tests) gets its setting back
+
+
+def _measure(cfg, modes, gemm) -> dict:
+    from dflash2.eval.speedup import run_speedup
+
     sampling = sampling_settings(cfg)
     pair = build_pair(cfg)
     taus = [float(t) for t in cfg.predict_taus] if pair.random else []
@@ -83,7 +98,8 @@ def run(cfg) -> dict:
         ablate_kernels=bool(cfg.ablate_kernels),
         gdn_modes=modes,
         output_dir=cfg.paths.output_dir,
-        extra={"attention_setting": cfg.attention or "default"},  # results["attention"]: what ran
+        # results["attention"] / ["gemm"]: what ran
+        extra={"attention_setting": cfg.attention or "default", "gemm_setting": gemm or "cublas"},
         sampling=sampling,
         seed=int(cfg.seed),
     )

@@ -26,6 +26,11 @@ def _attention(name: str) -> str:
     return f"{name} (prefill: SDPA)" if name == "triton" else name
 
 
+def _gemm(name: str) -> str:
+    """What the target's decode-sized projections ran, with what the skinny GEMM leaves to cuBLAS."""
+    return "skinny (prefill > 128 rows: cuBLAS)" if name == "skinny" else name
+
+
 def _fmt(s: dict, digits: int = 2) -> str:
     return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}–{s['max']:.{digits}f}]"
 
@@ -36,7 +41,7 @@ def markdown(results: dict) -> str:
         f"# eval.speedup — {results['label']}",
         "",
         f"{results['date']}, {results['device']}, {results['dtype']}, block {results['block_size']}, "
-        f"attention {_attention(results.get('attention', '?'))}; "
+        f"GEMM {_gemm(results.get('gemm', 'cublas'))}, attention {_attention(results.get('attention', '?'))}; "
         f"weights read per step {results['weight_bytes'] / 1e9:.4g} GB, copy bandwidth "
         f"{results['copy_bandwidth_GBps']:.0f} GB/s (measured in this run) -> bound {bound:.3f} ms/step. "
         "Median [min–max] over runs. Decoded: the prompts each method decoded (rows beyond them are repeats) "

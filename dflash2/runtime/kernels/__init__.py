@@ -15,8 +15,8 @@ These kernels fold each such group into one launch:
   is a naive fp32 softmax).
 * :func:`~dflash2.runtime.kernels.skinny_gemm.skinny_linear`: y = x @ Wᵀ for decode-sized x
   (M ≤ 128 rows), streaming W once, batch invariant (a row's bits do not depend on M); its
-  fallback is ``F.linear``, its test twin an fp32 matmul. Not yet called by the models (its
-  module docstring has the opt-in switch's design).
+  fallback is ``F.linear``, its test twin an fp32 matmul. The models call it only when
+  ``gemm.set_gemm_backend("skinny")`` opts in (dflash2/runtime/gemm.py).
 
 The Gated DeltaNet ops live in a folder each (docs/ARCHITECTURE.md §5.5): ``reference.py``
 (the plain-PyTorch twin, also ``GDNState``'s ``mode="reference"``), ``kernel.py`` (the

@@ -48,13 +48,13 @@ bit in tests/test_runtime_skinny_gemm.py, interpreted (where the tile products a
 products and sums, see :func:`_dot_mode`) and, cuda-marked, compiled. Options passed by hand are
 part of the plan: use the same ones for every M of a model.
 
-Runtime switch (design note; not wired in yet). Once the benchmark (dflash2/runtime/bench_gemm.py)
-has measured the kernel on the GPU, the models' decode-step projections (q|k|v, o_proj, gate|up,
-down_proj, lm_head) would call :func:`skinny_linear` instead of ``F.linear`` behind an opt-in
-``DFLASH2_SKINNY_GEMM=1`` / ``kernels.set_skinny_gemm(True)`` switch, with per-shape plans from
-the benchmark; it must cover the AR and the verify step alike (both use the kernel, or neither),
-or the two steps round differently. ``kernels(False)`` turns it off with the other kernels; the
-fallback is ``F.linear``, exactly what the models run today. Prefill (M > MAX_M) keeps cuBLAS.
+Runtime switch (opt-in). ``gemm.set_gemm_backend("skinny")`` (dflash2/runtime/gemm.py; the default
+'cublas' keeps ``F.linear``) sends the runtime target's projections (q|k|v, o_proj, gate|up,
+down_proj, the GDN in/out projections, lm_head) here through ``gemm.linear``, with the default plan,
+so the AR and the verify step use the kernel alike (both, or neither: else the two steps round
+differently). ``kernels(False)`` turns it off with the other kernels; the fallback is ``F.linear``.
+Prefill (M > MAX_M) keeps cuBLAS. The default ``reduce="kernel"`` keeps no cached workspace, so a
+CUDA graph may capture it; ``reduce="fused"``'s counters are cached per device (warm up first).
 
 Twin: :func:`skinny_linear_ref` (tests): the same K slices, each an fp32 matmul, summed in split
 order, bias added in fp32, rounded once; it differs from the kernel only by the summation order

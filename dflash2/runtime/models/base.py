@@ -22,6 +22,7 @@ from torch import nn
 
 from dflash2.runtime.cache import DecodeState, KVCache
 from dflash2.runtime.gdn_state import GDNState
+from dflash2.runtime.gemm import linear
 
 ATTENTION, GDN = "full_attention", "linear_attention"
 
@@ -139,4 +140,4 @@ class RuntimeCausalLM(nn.Module):
         if logits_index is not None:
             index = logits_index[:, None, None].expand(-1, 1, h.shape[-1])
             h, delta = h.gather(1, index)[:, 0], delta.gather(1, index)[:, 0]  # (N, d)
-        return self.lm_head(self.norm.add_forward(h, delta)[1])
+        return linear(self.norm.add_forward(h, delta)[1], self.lm_head.weight, self.lm_head.bias)

@@ -6,7 +6,8 @@ and owns its forward. The dtype handling copies the HF modeling code on purpose
 bf16 numerics as closely as fp32 runs match its fp32 ones. The element-wise groups
 (residual add + norm, q/k norm + RoPE + cache write, SwiGLU) go through
 ``dflash2.runtime.kernels``: fused Triton kernels on CUDA, their eager twins elsewhere;
-``fuse()`` concatenates q|k|v and gate|up weights so each is one GEMV.
+``fuse()`` concatenates q|k|v and gate|up weights so each is one GEMV. Every projection goes
+through ``gemm.linear`` (``F.linear``, or the skinny GEMM under ``set_gemm_backend("skinny")``).
 
 Shapes: N rows, T tokens in the step, d hidden, H query heads, Hkv key/value heads,
 G = H / Hkv, D head_dim, S cache positions attended (see cache.py), R rotary dims.
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash2.runtime.cache import KVCache, StepMeta
+from dflash2.runtime.gemm import linear
 from dflash2.runtime.kernels.act import silu_mul
 from dflash2.runtime.kernels.norm import add_rms_norm
 from dflash2.runtime.kernels.rope import qk_norm_rope_write, split_qkv
@@ -47,6 +49,11 @@ def fuse_linears(name: str, owner: nn.Module, *linears: nn.Linear) -> None:
         start += n
     owner.register_buffer(f"{name}_weight", weight, persistent=False)
     owner.register_buffer(f"{name}_bias", bias, persistent=False)
+
+
+def project(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``lin(x)`` through the GEMM switch (gemm.py)."""
+    return linear(x, lin.weight, lin.bias)
 
 
 class RMSNorm(nn.Module):
@@ -101,8 +108,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias)))
+            h = F.silu(project(self.gate_proj, x)) * project(self.up_proj, x)
+        else:
+            h = silu_mul(linear(x, self.gate_up_weight, self.gate_up_bias))
+        return project(self.down_proj, h)
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -207,9 +216,9 @@ class Attention(nn.Module):
         """x (N, T, d) -> (N, T, d); writes this step's K/V into cache slot ``slot`` at meta.positions."""
         N, T, _ = x.shape
         if self.qkv_weight is not None:
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # (N, T, W): [q (+gate) | k | v]
+            qkv = linear(x, self.qkv_weight, self.qkv_bias)  # (N, T, W): [q (+gate) | k | v]
         else:
-            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+            qkv = torch.cat([project(self.q_proj, x), project(self.k_proj, x), project(self.v_proj, x)], dim=-1)
         cos, sin = rope
         q = qk_norm_rope_write(  # (N, H, T, D); k, v land in the cache
             qkv,
@@ -232,4 +241,4 @@ class Attention(nn.Module):
         if self.output_gate:
             gate = split_qkv(qkv, self.h, self.hkv, self.hd, True)[1]  # (N, T, H, D)
             y = y * torch.sigmoid(gate.reshape(N, T, self.h * self.hd))
-        return self.o_proj(y)
+        return project(self.o_proj, y)

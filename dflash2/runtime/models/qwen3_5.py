@@ -24,13 +24,22 @@ is not covered by this file.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dflash2.runtime.cache import DecodeState
 from dflash2.runtime.gdn_state import GDNState
+from dflash2.runtime.gemm import linear
 from dflash2.runtime.models.base import ATTENTION, GDN, ModelOutput, RuntimeCausalLM
-from dflash2.runtime.models.layers import MLP, Attention, GatedRMSNorm, RMSNorm, Rotary, fuse_linears, rope_inv_freq
+from dflash2.runtime.models.layers import (
+    MLP,
+    Attention,
+    GatedRMSNorm,
+    RMSNorm,
+    Rotary,
+    fuse_linears,
+    project,
+    rope_inv_freq,
+)
 from dflash2.runtime.models.loading import KeyMap
 
 QWEN3_5_KEYS = KeyMap(
@@ -80,15 +89,16 @@ class GatedDeltaNet(nn.Module):
         """x (N, T, d) -> (N, T, d); verifies from the untouched state (commit folds tokens later)."""
         N, T, _ = x.shape
         if self.in_proj_weight is not None:  # one GEMV for all four projections
-            proj = F.linear(x, self.in_proj_weight)
+            proj = linear(x, self.in_proj_weight)
             qkv, z, b, a = proj.split([self.conv_dim, self.h * self.dv, self.h, self.h], dim=-1)
         else:
-            qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+            lins = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+            qkv, z, b, a = (project(lin, x) for lin in lins)
         # qkv (N, T, C) is logged pre-conv for the conv-window commit
         z = z.reshape(N, T, self.h, self.dv)
         # decay g and write strength β come from a, b (N, T, H) inside verify (fused in the kernel)
         o = gdn.verify(slot, qkv, self.conv_weight, a, b, self.A_log, self.dt_bias)  # (N, T, H, dv)
-        return self.out_proj(self.norm(o, z).reshape(N, T, self.h * self.dv))
+        return project(self.out_proj, self.norm(o, z).reshape(N, T, self.h * self.dv))
 
 
 class HybridBlock(nn.Module):
