@@ -208,8 +208,15 @@ def test_report_names_the_attention_that_ran():
             "decoded": {"prompts": 1, "rows": 1, "batches": [1]},
         },
     }
+    kernel = {"kernel": "_skinny_gemm_kernel", "us_per_step": 40.0, "calls_per_step": 10.0}
+    prof = {"how": "graph replay", "kernels_per_step": 12.0, "kernel_us_per_step": 50.0, "gemm_us_per_step": 40.0}
+    res["profile_spec_batch1"] = {"draft": {**prof, "top": [kernel]}}
     md = markdown(res)
     assert ", GEMM skinny (prefill > 128 rows: cuBLAS), attention triton (prefill: SDPA);" in md
+    assert (
+        "Profile of one speculative draft phase at batch 1 (graph replay): 12 kernels, 50 µs of kernel time, "
+        "GEMM/GEMV 40 µs; top: `_skinny_gemm_kernel` 40.0 µs × 10." in md
+    )
     assert (
         "without our Triton kernels (eager twins in the graphs, attention sdpa), decoded 1 prompt (1×1): "
         "1.000 [1.000–1.000]" in md

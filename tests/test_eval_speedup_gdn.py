@@ -194,6 +194,11 @@ def test_three_modes_on_the_gpu_agree(hf_targets, monkeypatch, tmp_path):
     )
     assert res["gdn"]["modes"] == ["replay", "native", "reference"]
     assert res["ablation_ar_batch1_no_fused_kernels"]["gdn_mode"] == "replay" and "profile_ar_batch1" in res
+    # the draft and verify graphs of batch 1, replayed alone: kernels and their time
+    spec_prof = res["profile_spec_batch1"]
+    assert set(spec_prof) == {"draft", "verify"}
+    assert all(p["how"] == "graph replay" and p["kernels_per_step"] > 0 for p in spec_prof.values())
+    assert "Profile of one speculative draft phase at batch 1" in (tmp_path / "results.md").read_text()
     # the default attention on CUDA is the Triton kernel; the ablation (no Triton kernels) runs SDPA
     assert res["attention"] == "triton" and res["ablation_ar_batch1_no_fused_kernels"]["attention"] == "sdpa"
     for N in ("1", "4"):

@@ -299,21 +299,43 @@ def profile_ar_step(dec: Decoder, N: int, reps: int = 5) -> dict:
 
     Returns per-step totals, the GEMM share and the top kernels by time.
     """
-    from torch.profiler import ProfilerActivity, profile
-
     s = dec.slot(N)
     graphs = {k: g for k, g in s.graphs.graphs.items() if k[0] == "ar_forward"}
     if graphs:
-        graph = graphs[max(graphs)]
-        fn, how = graph.replay, "graph replay"
-    else:
-        fn, how = (lambda: dec.model(s.token[:, None], s.state)), "eager"
+        return _kernel_profile(graphs[max(graphs)].replay, "graph replay", dec.device, reps)
+    return _kernel_profile(lambda: dec.model(s.token[:, None], s.state), "eager", dec.device, reps)
+
+
+# Speculative phases whose graph may be replayed on its own for a profile: each writes the same values
+# again from the same inputs (draft: the proposals and the drafter's block K/V; verify: the block's K/V,
+# logits and GDN log). Not accept or commit: they advance the rows.
+REPLAYABLE_SPEC_PHASES = ("draft", "verify")
+
+
+def profile_spec_phases(dec: Decoder, N: int, reps: int = 5) -> dict:
+    """Kernels of the last speculative generation's draft and verify graphs at batch ``N`` (the largest
+    attended-length bucket captured), each replayed ``reps`` times: {phase: profile} like
+    :func:`profile_ar_step`; empty where no graph was captured (CPU, or sampling that runs eagerly)."""
+    graphs = dec.slot(N).graphs.graphs
+    out = {}
+    for phase in REPLAYABLE_SPEC_PHASES:
+        keys = [k for k in graphs if k[0] == phase]
+        if keys:
+            key = max(keys, key=lambda k: k[1])  # the longest attended-length bucket: the run's late steps
+            out[phase] = _kernel_profile(graphs[key].replay, "graph replay", dec.device, reps)
+    return out
+
+
+def _kernel_profile(fn, how: str, device, reps: int) -> dict:
+    """CUDA kernels of ``reps`` calls of ``fn`` (after one untimed call), per call: totals, GEMM share, top 15."""
+    from torch.profiler import ProfilerActivity, profile
+
     fn()
-    _sync(dec.device)
+    _sync(device)
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
-        _sync(dec.device)
+        _sync(device)
     rows = []
     for e in prof.key_averages():
         if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
@@ -428,6 +450,7 @@ def run_speedup(
             if i == 0:  # profile and ablation of the headline mode
                 if profile and device.type == "cuda":
                     results["profile_ar_batch1"] = profile_ar_step(dec, 1)
+                    results["profile_spec_batch1"] = profile_spec_phases(dec, 1)
                 if ablate_kernels and device.type == "cuda":
                     # the same graphs with the eager twins inside and SDPA attention: what our Triton kernels buy;
                     # on the first prompt only (a step-time figure at batch 1; its ``decoded`` says so)

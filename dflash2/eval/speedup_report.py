@@ -102,6 +102,16 @@ def markdown(results: dict) -> str:
             "|---|---|---|",
         ]
         lines += [f"| `{t['kernel'][:70]}` | {t['us_per_step']:.1f} | {t['calls_per_step']:.0f} |" for t in prof["top"]]
+    for phase, prof in (results.get("profile_spec_batch1") or {}).items():
+        top = ", ".join(
+            f"`{t['kernel'][:50]}` {t['us_per_step']:.1f} µs × {t['calls_per_step']:.0f}" for t in prof["top"][:5]
+        )
+        lines += [
+            "",
+            f"Profile of one speculative {phase} phase at batch 1 ({prof['how']}): {prof['kernels_per_step']:.0f} "
+            f"kernels, {prof['kernel_us_per_step']:.0f} µs of kernel time, "
+            f"GEMM/GEMV {prof['gemm_us_per_step']:.0f} µs; top: {top}.",
+        ]
     abl = results.get("ablation_ar_batch1_no_fused_kernels")
     if abl:
         lines += [
