@@ -12,13 +12,20 @@ is exact. The whole step: the fused path drafts the same tokens as the eager pat
 writes the same caches (the kernel tests poison what must stay unwritten).
 """
 
+import dataclasses
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import nontrivial_dflash2, spec_drafter
 
-from dflash2.runtime import kernels
+from dflash2.decoding import SamplingParams
+from dflash2.drafter import DFlashDrafter
+from dflash2.runtime import kernels, load_model
 from dflash2.runtime.draft_math import rope_tables
+from dflash2.runtime.drafter import RuntimeDrafter
+from dflash2.runtime.kernels import draft_rope, norm
 from dflash2.runtime.kernels.draft_rope import draft_qk_rope_write, draft_qk_rope_write_ref
 from dflash2.runtime.kernels.norm import add_rms_norm_fp32w, add_rms_norm_fp32w_ref
 
@@ -116,3 +123,58 @@ def test_draft_qk_rope_write(interpret, dtype, variant):
                 assert caches[kv, slots, n][:, :, others].isnan().all()
         if H:
             assert caches[:, [0, 2]].isnan().all()  # other slots untouched
+
+
+@pytest.fixture(scope="module")
+def runtime_target(hf_targets):
+    return load_model(hf_targets["qwen3"][1], target_layer_ids=[0, 1])
+
+
+@pytest.mark.parametrize("kind", ["v1", "dflash2", "window"])
+def test_fused_draft_step_equals_the_eager_step(runtime_target, kind, monkeypatch):
+    """Appends and draft steps (T=0) through the kernels (interpreter) == the eager drafter's: same drafts,
+    hidden states and whole caches (context K/V and the block's) to fp32 rounding. fp32, 2 layers, ragged rows."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the kernels through the interpreter")
+    shape = SimpleNamespace(
+        hidden_size=runtime_target.hidden_size, vocab_size=runtime_target.vocab_size, target_layer_ids=[0, 1]
+    )
+    cfg = dataclasses.replace(spec_drafter(shape, 8, v2=kind != "v1").config, num_hidden_layers=2)
+    if kind == "window":
+        cfg = dataclasses.replace(cfg, layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+    drafter = DFlashDrafter(cfg, init_seed=4).eval()
+    if kind != "v1":
+        nontrivial_dflash2(drafter)
+    run = RuntimeDrafter(drafter, runtime_target)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 120, (3, 30), generator=g)
+    taps = runtime_target(ids, runtime_target.new_state(3, 40)).taps  # (3, 30, 2·d)
+    contexts = [run.new_context(3, 48) for _ in range(2)]  # [fused, eager]
+
+    def no_twin(*args, **kwargs):
+        raise AssertionError("a twin ran on the fused path")
+
+    def both(fn, *args, **kwargs):
+        """fn(ctx, *args) on the fused path's context (every norm, q/k/RoPE/write a kernel) and on the eager path's."""
+        with kernels.on_cpu(), monkeypatch.context() as m:
+            m.setattr(norm, "add_rms_norm_fp32w_ref", no_twin)
+            m.setattr(draft_rope, "draft_qk_rope_write_ref", no_twin)
+            a = fn(contexts[0], *args, **kwargs)
+        with kernels.kernels(False):
+            b = fn(contexts[1], *args, **kwargs)
+        return a, b
+
+    lengths = torch.tensor([4, 9, 1])
+    both(run.append, taps[:, :9], lengths)
+    for keep in ([3, 1, 8], [1, 2, 1], [8, 8, 8]):
+        anchor = ids.gather(1, contexts[0].lengths[:, None])[:, 0]
+        hidden = both(run.hidden, anchor, kv_len=40)
+        torch.testing.assert_close(*hidden, rtol=1e-5, atol=1e-5)
+        drafts = both(run.propose, anchor, SamplingParams(), kv_len=40)
+        assert torch.equal(drafts[0].tokens, drafts[1].tokens)
+        positions = contexts[0].lengths[:, None] + torch.arange(8)
+        new = taps.gather(1, positions.clamp(max=29)[..., None].expand(-1, -1, taps.shape[-1]))
+        both(run.append, new, torch.tensor(keep))
+        assert torch.equal(contexts[0].lengths, contexts[1].lengths)
+        for a, b in ((contexts[0].kv.k, contexts[1].kv.k), (contexts[0].kv.v, contexts[1].kv.v)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # V too: projected from normed inputs
