@@ -25,9 +25,10 @@ from dflash2.drafter import DFlashDrafter
 from dflash2.runtime import kernels, load_model
 from dflash2.runtime.draft_math import rope_tables
 from dflash2.runtime.drafter import RuntimeDrafter
-from dflash2.runtime.kernels import draft_rope, norm
+from dflash2.runtime.kernels import draft_rope, norm, selector
 from dflash2.runtime.kernels.draft_rope import draft_qk_rope_write, draft_qk_rope_write_ref
 from dflash2.runtime.kernels.norm import add_rms_norm_fp32w, add_rms_norm_fp32w_ref
+from dflash2.runtime.kernels.selector import selector_walk, selector_walk_ref
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -125,6 +126,25 @@ def test_draft_qk_rope_write(interpret, dtype, variant):
             assert caches[:, [0, 2]].isnan().all()  # other slots untouched
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_selector_walk(interpret, dtype):
+    """Odd sizes: k = 5 candidates of 40 tokens, rank 24, 3 rows, 6 positions. Tokens are chosen by argmax,
+    a near-tie of scores could go either way (see the kernel's docstring); these seeds have none, so the
+    tokens are compared exactly (bf16 too, even with the interpreter's truncating cast)."""
+    N, P, k, V, r = 3, 6, 5, 40, 24
+    for device in _devices():
+        g = torch.Generator().manual_seed(4)
+        pcb, scb = (torch.randn(V, r, generator=g).to(device, dtype) for _ in range(2))
+        hh = torch.randn(N, P, r, generator=g).to(device, dtype)
+        cand_ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(N * P)]).view(N, P, k).to(device)
+        unary = torch.randn(N, P, k, generator=g).to(device)
+        anchor = torch.tensor([0, 7, 39], device=device)
+        got = selector_walk(hh, cand_ids, unary, anchor, pcb, scb)
+        want = selector_walk_ref(hh, cand_ids, unary, anchor, pcb, scb)
+        assert got.dtype == torch.long and got.shape == (N, P)
+        assert torch.equal(got, want)
+
+
 @pytest.fixture(scope="module")
 def runtime_target(hf_targets):
     return load_model(hf_targets["qwen3"][1], target_layer_ids=[0, 1])
@@ -159,6 +179,7 @@ def test_fused_draft_step_equals_the_eager_step(runtime_target, kind, monkeypatc
         with kernels.on_cpu(), monkeypatch.context() as m:
             m.setattr(norm, "add_rms_norm_fp32w_ref", no_twin)
             m.setattr(draft_rope, "draft_qk_rope_write_ref", no_twin)
+            m.setattr(selector, "selector_walk_ref", no_twin)
             a = fn(contexts[0], *args, **kwargs)
         with kernels.kernels(False):
             b = fn(contexts[1], *args, **kwargs)

@@ -213,6 +213,7 @@ FUSED = (
     ("dflash2.runtime.kernels.rope", "qk_norm_rope_write_ref", 1),
     ("dflash2.runtime.kernels.norm", "add_rms_norm_fp32w_ref", 1),
     ("dflash2.runtime.kernels.draft_rope", "draft_qk_rope_write_ref", 1),
+    ("dflash2.runtime.selector_path", "greedy_walk", 2),  # the hidden projection's GEMM + the walk's launch
     ("dflash2.runtime.kernels.act", "silu_mul_ref", 1),
     ("dflash2.runtime.gdn_state", "GDNState.verify", 2),
     ("dflash2.runtime.gdn_state", "GDNState.commit", 1),
