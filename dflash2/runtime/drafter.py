@@ -20,6 +20,12 @@ arranged for a decode step, which at batch 1 costs what its number of kernels co
   runs), so no context K/V is ever copied or concatenated and GQA folds query groups
   instead of repeating K/V (cache.py); per layer, q|k|v is one GEMM, q and k are normalised
   and rotated together, and the local conv is two products (draft_math.py, draft_weights.py);
+* on CUDA (kernels on: ``dflash2.runtime.kernels``) every norm is one Triton launch with the
+  residual add before it folded in (``add_rms_norm_fp32w``: a sublayer returns its two terms,
+  the next norm adds them), and a layer's q/k norm + RoPE + block K/V write is one launch, as is
+  the context append's K norm + RoPE + K/V write of every layer (``draft_qk_rope_write``); their
+  twins, run on the CPU, are the eager ops, so the CPU stays bit for bit with the modules, and
+  the kernels differ from them only in a norm's reduction order (last fp32 bit of rstd);
 * the drafter's modules are read for their weights once (:class:`DraftWeights`) and called
   as they are for the MLP, fc, output projection and selector codebooks.
 
@@ -46,8 +52,10 @@ from dflash2.drafter.io import load_drafter
 from dflash2.drafter.model import DFlashDrafter
 from dflash2.errors import DFlash2Error
 from dflash2.runtime.cache import KVCache, StepMeta
-from dflash2.runtime.draft_math import conv_kernels, conv_side, rms_norm, rope_tables, rotate
+from dflash2.runtime.draft_math import conv_kernels, conv_side, rope_tables
 from dflash2.runtime.draft_weights import DraftWeights
+from dflash2.runtime.kernels.draft_rope import draft_qk_rope_write
+from dflash2.runtime.kernels.norm import add_rms_norm_fp32w
 from dflash2.runtime.sampling import Proposal, sample
 from dflash2.runtime.selector_path import selector_greedy_path, selector_sample_sparse
 
@@ -163,17 +171,13 @@ class RuntimeDrafter:
         overwritten later). Same values as ``ContextCache.append``: c = hidden_norm(fc(taps)), then per
         layer K = RoPE(k_norm(k_proj(c))), V = v_proj(c) — all layers in one GEMM, one norm, one RoPE.
         """
-        N, T, _ = taps.shape
-        w, hd, L = self.weights, self.config.head_dim, len(self.drafter.layers)
-        c = rms_norm(self.drafter.fc(taps.to(self.dtype)), w.hidden_norm, w.eps)  # (N, T, d): fuse_context
+        T, w = taps.shape[1], self.weights
+        c = add_rms_norm_fp32w(self.drafter.fc(taps.to(self.dtype)), None, w.hidden_norm, w.eps)[1]  # fuse_context
         positions = ctx.positions(T)
         cos, sin = rope_tables(positions, w.rope_freqs, w.rope_sign, c.dtype)  # (N, T, 1, hd)
-        kv = F.linear(c, w.context_kv).view(N, T, 2, -1, hd)  # (N, T, 2, L·Hkv, hd): [K | V] of every layer
-        k = rotate(rms_norm(kv[:, :, 0], w.context_k_norm, w.eps), cos, sin)  # (N, T, L·Hkv, hd)
-        per_layer = (N, T, L, -1, hd)  # -> (L, N, Hkv, T, hd)
-        ctx.kv.write_layers(
-            k.view(per_layer).permute(2, 0, 3, 1, 4), kv[:, :, 1].view(per_layer).permute(2, 0, 3, 1, 4), positions
-        )
+        kv = F.linear(c, w.context_kv)  # (N, T, 2·L·Hkv·hd): [K | V] of every layer
+        # K normed and rotated, K and V written at positions, every layer in one call (no q: num_heads=0)
+        draft_qk_rope_write(kv, w.context_k_norm, cos, sin, positions, ctx.kv.k, ctx.kv.v, num_heads=0, eps=w.eps)
         ctx.lengths += n
 
     # ------------------------------------------------------------------ draft
@@ -182,27 +186,42 @@ class RuntimeDrafter:
         attn = self.drafter.layers[i].self_attn
         N, T, _ = x.shape
         H, hd = attn.h, attn.hd
-        qkv = F.linear(x, self.weights.layers[i].qkv).view(N, T, -1, hd)  # (N, T, H + 2·Hkv, hd)
-        # q and k: their own norm weights per head, one RoPE (block K/V: the same projections as the context's)
-        qk = rotate(rms_norm(qkv[:, :, : H + attn.hkv], self.weights.layers[i].qk_norm, self.weights.eps), cos, sin)
-        q, k, v = qk[:, :, :H], qk[:, :, H:], qkv[:, :, H + attn.hkv :]
-        kv.write(i, k.transpose(1, 2), v.transpose(1, 2), meta)  # at lengths .. lengths+B-1, after the context
-        y = kv.attend(i, q.transpose(1, 2), meta)  # (N, H, B, hd)
+        qkv = F.linear(x, self.weights.layers[i].qkv)  # (N, T, (H + 2·Hkv)·hd)
+        # q and k normed (their own weights per head) and rotated, k and v written at lengths .. lengths+B-1,
+        # after the context (block K/V: the same projections as the context's): one launch on CUDA
+        q = draft_qk_rope_write(
+            qkv,
+            self.weights.layers[i].qk_norm,
+            cos,
+            sin,
+            meta.positions,
+            kv.k[i],
+            kv.v[i],
+            num_heads=H,
+            eps=self.weights.eps,
+        )  # (N, H, B, hd)
+        y = kv.attend(i, q, meta)  # (N, H, B, hd)
         return attn.o_proj(y.transpose(1, 2).reshape(N, T, H * hd))
 
-    def _sublayer(self, h: torch.Tensor, norm: torch.Tensor, conv, fn) -> torch.Tensor:
-        """``DecoderLayer._sublayer``: h + post-conv(fn(pre-conv(norm(h)))), no conv for v1. h (N, B, d)."""
-        x = rms_norm(h, norm, self.weights.eps)
-        if conv is None:
-            return h + fn(x)
-        kernels = conv_kernels(x, conv.projection, conv.base)  # both sides' kernels, from the normed input
-        return h + conv_side(fn(conv_side(x, kernels, 0)), kernels, 1)
+    def _sublayer(self, h: torch.Tensor, out: torch.Tensor | None, norm: torch.Tensor, conv, fn):
+        """``DecoderLayer._sublayer`` with its residual add deferred: (h, out) -> (h + out, its sublayer's out).
 
-    def _layer(self, i: int, h: torch.Tensor, cos, sin, kv: KVCache, meta: StepMeta) -> torch.Tensor:
-        """Drafter layer i on the block h (N, B, d) -> (N, B, d)."""
+        The sublayer's result h + post-conv(fn(pre-conv(norm(h)))) (no conv for v1) is returned as the pair
+        (h, out) of its two terms, so that the add happens in the next norm's launch (add_rms_norm_fp32w).
+        h, out (N, B, d); out None: h is the whole residual stream (the block's embedding)."""
+        h, x = add_rms_norm_fp32w(h, out, norm, self.weights.eps)
+        if conv is None:
+            return h, fn(x)
+        kernels = conv_kernels(x, conv.projection, conv.base)  # both sides' kernels, from the normed input
+        return h, conv_side(fn(conv_side(x, kernels, 0)), kernels, 1)
+
+    def _layer(self, i: int, h: torch.Tensor, out: torch.Tensor | None, cos, sin, kv: KVCache, meta: StepMeta):
+        """Drafter layer i on the block h + out (N, B, d) -> its output as the pair (h, out): the sum is the output."""
         w = self.weights.layers[i]
-        h = self._sublayer(h, w.input_norm, w.attention_conv, lambda x: self._attention(i, x, cos, sin, kv, meta))
-        return self._sublayer(h, w.post_norm, w.mlp_conv, self.drafter.layers[i].mlp)
+        h, out = self._sublayer(
+            h, out, w.input_norm, w.attention_conv, lambda x: self._attention(i, x, cos, sin, kv, meta)
+        )
+        return self._sublayer(h, out, w.post_norm, w.mlp_conv, self.drafter.layers[i].mlp)
 
     @torch.no_grad()
     def hidden(self, ctx: DraftContext, anchor: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
@@ -217,9 +236,10 @@ class RuntimeDrafter:
         sliding = self.drafter.sliding_layers
         window_meta = ctx.meta(B, kv_len, window=self.config.sliding_window) if any(sliding) else None
         cos, sin = rope_tables(meta.positions, self.weights.rope_freqs, self.weights.rope_sign, h.dtype)
+        out = None  # the residual stream is h + out: each add is done by the next norm's launch
         for i in range(len(self.drafter.layers)):
-            h = self._layer(i, h, cos, sin, ctx.kv, window_meta if sliding[i] else meta)
-        return rms_norm(h, self.weights.final_norm, self.weights.eps)
+            h, out = self._layer(i, h, out, cos, sin, ctx.kv, window_meta if sliding[i] else meta)
+        return add_rms_norm_fp32w(h, out, self.weights.final_norm, self.weights.eps)[1]
 
     @torch.no_grad()
     def propose(

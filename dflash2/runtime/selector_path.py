@@ -23,19 +23,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dflash2.runtime.kernels import use_triton
+from dflash2.runtime.kernels.selector import selector_walk
 from dflash2.runtime.sampling import Proposal, sample
 
 
 class SelectorWalk:
     """The selector's edge scores over one block, position by position.
 
-    selector: a ``CandidateSelector``; hidden (N, P, d) the drafted hidden states; logits (N, P, V)
-    fp32 raw drafter logits; anchor (N,) long, the predecessor of position 0.
+    selector: a ``CandidateSelector``; hidden (N, P, d) the drafted hidden states; cand_ids (N, P, k)
+    long / unary (N, P, k) fp32 = ``selector.candidates(logits)`` of the raw drafter logits; anchor (N,)
+    long, the predecessor of position 0.
     """
 
-    def __init__(self, selector, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor):
+    def __init__(self, selector, hidden: torch.Tensor, cand_ids: torch.Tensor, unary: torch.Tensor, anchor):
         self.selector, self.hidden = selector, hidden
-        self.cand_ids, self.unary = selector.candidates(logits)  # (N, P, k) long / fp32
+        self.cand_ids, self.unary = cand_ids, unary
         self.succ = selector.successor_codebook[self.cand_ids]  # (N, P, k, r)
         self.pred_rows = selector.predecessor_codebook[self.cand_ids]  # (N, P, k, r): candidates as predecessors
         self.pred = selector.predecessor_codebook[anchor][:, None]  # (N, 1, r): the anchor's row
@@ -64,8 +67,18 @@ class SelectorWalk:
 
 @torch.no_grad()
 def selector_greedy_path(selector, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-    """``selector.greedy_path(hidden, logits, anchor)``, bit for bit: tokens (N, P) long."""
-    walk = SelectorWalk(selector, hidden, logits, anchor)
+    """``selector.greedy_path(hidden, logits, anchor)``: tokens (N, P) long. Bit for bit on the CPU; on CUDA
+    (kernels on) the walk is one Triton launch after one GEMM of all positions' hidden projections."""
+    return greedy_walk(selector, hidden, *selector.candidates(logits), anchor)
+
+
+def greedy_walk(selector, hidden, cand_ids, unary, anchor) -> torch.Tensor:
+    """The greedy walk from the candidates: :func:`~dflash2.runtime.kernels.selector.selector_walk` (one GEMM
+    and one launch) where the kernels run, else the eager walk (one GEMM per position, as ``edge_scores``)."""
+    if use_triton(hidden):
+        hh = selector.hidden_projection(hidden)  # (N, P, r)
+        return selector_walk(hh, cand_ids, unary, anchor, selector.predecessor_codebook, selector.successor_codebook)
+    walk = SelectorWalk(selector, hidden, cand_ids, unary, anchor)
     choices = []
     for pos in range(walk.positions):
         choices.append(walk.scores(pos).argmax(-1))  # ties: the first maximum, the higher drafter logit
@@ -81,7 +94,7 @@ def selector_sample_sparse(selector, hidden, logits, anchor, temperature: float,
     ``CandidateSelector.sample_path`` (position by position from softmax(edge scores / T) given the
     sampled predecessor), whose dense q is this proposal's ``densify``.
     """
-    walk = SelectorWalk(selector, hidden, logits, anchor)
+    walk = SelectorWalk(selector, hidden, *selector.candidates(logits), anchor)
     choices, probs = [], []
     for pos in range(walk.positions):
         prob = F.softmax(walk.scores(pos) / temperature, dim=-1)  # (N, k)

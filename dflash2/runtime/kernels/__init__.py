@@ -9,6 +9,12 @@ These kernels fold each such group into one launch:
 * :func:`~dflash2.runtime.kernels.norm.add_rms_norm`: residual add + RMSNorm;
 * :func:`~dflash2.runtime.kernels.rope.qk_norm_rope_write`: per-head q/k RMSNorm, RoPE,
   and the K/V cache write of one attention layer;
+* :func:`~dflash2.runtime.kernels.norm.add_rms_norm_fp32w` and
+  :func:`~dflash2.runtime.kernels.draft_rope.draft_qk_rope_write`: the same two for the runtime
+  drafter, in its rounding (fp32 norm weights, one rounding; its RoPE tables), the latter also
+  writing the context K/V of every drafter layer in one launch (no q);
+* :func:`~dflash2.runtime.kernels.selector.selector_walk`: the DFlash2 selector's greedy walk over a
+  block, one program per row (twin: the walk's eager ops);
 * :func:`~dflash2.runtime.kernels.act.silu_mul`: the SwiGLU activation;
 * :func:`~dflash2.runtime.kernels.attention.decode_attention`: split-K decode attention over
   the static KV cache (the default attention on CUDA, ``set_attention_backend`` in cache.py; its twin

@@ -3,15 +3,24 @@
     h = x + residual            (rounded to x's dtype, as the eager add)      [only with residual]
     y = w · round(h / rms(h))   offset=False (Qwen3, Llama: HF's weight * hidden.to(dtype))
     y = round(h / rms(h) · (1 + w))   offset=True (Qwen3.5: zero-centred weight, one rounding)
+    y = round((h / rms(h)) · w32)     add_rms_norm_fp32w (the drafter's RMSNorm: fp32 weight, one rounding)
 
 rms is computed in fp32. Shapes: x, residual (..., D); weight (D,); returns (h, y), both
 (..., D) in x's dtype (h is x itself when there is no residual).
+
+The kernel's sum of squares runs in Triton's reduction order, the twin's in the library's: rms
+may differ in its last fp32 bit, so y to fp32 rounding (fp32) or, where that flips a rounding,
+one unit in the last place (bf16). h is exact (one fp32 add, rounded as the eager add rounds).
 """
 
 import torch
 import triton.language as tl
 
+from dflash2.runtime.draft_math import rms_norm as _draft_rms_norm
 from dflash2.runtime.kernels import jit, use_triton
+
+# the kernel's rounding modes (constexpr MODE)
+_HF, _OFFSET, _FP32W = 0, 1, 2
 
 
 def add_rms_norm_ref(x, residual, weight, eps: float, offset: bool):
@@ -31,9 +40,10 @@ def _add_rms_norm_kernel(
     h_ptr,
     y_ptr,
     D,
+    inv_d,
     eps,
     HAS_RES: tl.constexpr,
-    OFFSET: tl.constexpr,
+    MODE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # one program per row; rows are contiguous (the launcher reshapes to (M, D))
@@ -46,12 +56,18 @@ def _add_rms_norm_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(h_ptr.dtype.element_ty)  # the eager add's rounding
         tl.store(h_ptr + row * D + cols, x, mask=m)
     xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
-    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    if OFFSET:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
-        y = xf * rstd * (1.0 + w)
+    if MODE == 2:  # noqa: SIM108 (constexpr): torch.mean on CUDA scales the sum by the fp32 1/D
+        ms = tl.sum(xf * xf, axis=0) * inv_d
     else:
-        y = w * (xf * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)  # round, then the weight's product
+        ms = tl.sum(xf * xf, axis=0) / D
+    rstd = tl.rsqrt(ms + eps)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    if MODE == 1:  # offset: (1 + w) in fp32, one rounding
+        y = xf * rstd * (1.0 + w)
+    elif MODE == 2:  # fp32 weight: (h·rstd)·w in fp32, one rounding (draft_math.rms_norm)
+        y = (xf * rstd) * w
+    else:  # HF: round, then the weight's product
+        y = w * (xf * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)
     tl.store(y_ptr + row * D + cols, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -59,6 +75,28 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     """(h, y) = (x + residual, RMSNorm(x + residual)); the Triton kernel on CUDA, else the twin."""
     if not use_triton(x) or weight.dtype != x.dtype:
         return add_rms_norm_ref(x, residual, weight, eps, offset)
+    return _launch(x, residual, weight, eps, _OFFSET if offset else _HF)
+
+
+def add_rms_norm_fp32w_ref(x, residual, weight32, eps: float):
+    """The drafter's eager twin: ``h = x + residual``, then ``draft_math.rms_norm(h, weight32, eps)``."""
+    h = x if residual is None else x + residual
+    return h, _draft_rms_norm(h, weight32, eps)
+
+
+def add_rms_norm_fp32w(x: torch.Tensor, residual: torch.Tensor | None, weight32: torch.Tensor, eps: float):
+    """(h, y) = (x + residual, the drafter's RMSNorm of it): y = round((h·rstd)·w32), weight32 (D,) fp32.
+
+    The runtime drafter's norms (``dflash2.drafter.model.RMSNorm``: fp32 statistics and product, one
+    rounding to x's dtype). The Triton kernel on CUDA (and under the interpreter in ``on_cpu()``), else
+    the twin — exactly the eager ops, so the CPU stays bit for bit with the drafter modules."""
+    same = residual is None or (residual.dtype == x.dtype and residual.shape == x.shape)
+    if not use_triton(x) or not same or weight32.dtype != torch.float32 or weight32.dim() != 1:
+        return add_rms_norm_fp32w_ref(x, residual, weight32, eps)
+    return _launch(x, residual, weight32, eps, _FP32W)
+
+
+def _launch(x, residual, weight, eps: float, mode: int):
     D = x.shape[-1]
     x2 = x.reshape(-1, D).contiguous()
     M = x2.shape[0]
@@ -70,7 +108,18 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         h = torch.empty_like(x2)
     block = max(triton_next_pow2(D), 16)
     jit(_add_rms_norm_kernel)[(M,)](
-        x2, r2, weight, h, y, D, eps, HAS_RES=residual is not None, OFFSET=offset, BLOCK=block, num_warps=_warps(block)
+        x2,
+        r2,
+        weight,
+        h,
+        y,
+        D,
+        1.0 / D,
+        eps,
+        HAS_RES=residual is not None,
+        MODE=mode,
+        BLOCK=block,
+        num_warps=_warps(block),
     )
     return (x if residual is None else h.view(x.shape)), y.view(x.shape)
 
