@@ -91,4 +91,8 @@ def test_on_cuda_ce_and_gradient_equal_the_previous_chunk_arithmetic_bit_for_bit
     (out.ce * grad_ce).sum().backward()
     assert torch.equal(out.ce.detach(), want_ce)
     assert torch.equal(h.grad, want_grad)
-    assert torch.equal(logsumexp_of_float(weight[:64].T.contiguous()), torch.logsumexp(weight[:64].T.float(), -1))
+    # Rows of 64: on the CPU bit for bit (test above); on the H200 (torch 2.11) torch.logsumexp of the fp32
+    # copy summed these short rows in another order than the promoted sum here: equal to fp32 rounding only.
+    # The CE above, rows of 18,992, is bit for bit.
+    lse, want = logsumexp_of_float(weight[:64].T.contiguous()), torch.logsumexp(weight[:64].T.float(), -1)
+    torch.testing.assert_close(lse, want, rtol=4 * torch.finfo(torch.float32).eps, atol=0)

@@ -224,6 +224,9 @@ def test_uses_flex():
 
     assert not uses_flex("auto", "cpu") and uses_flex("auto", torch.device("cuda", 0))
     assert uses_flex("flex", "cpu") and not uses_flex("dense", "cuda")
+    # torch's compiled flex kernels refuse heads under 16 (seen on the H200 with a micro drafter's 8)
+    assert uses_flex("auto", "cuda", head_dim=16) and not uses_flex("auto", "cuda", head_dim=8)
+    assert uses_flex("flex", "cuda", head_dim=8)  # explicit: the training module says why it cannot run
     with pytest.raises(ValueError, match="auto, flex, dense"):
         uses_flex("sparse", "cpu")
 

@@ -167,16 +167,23 @@ def block_mask_sparsity(block_mask) -> float:
 ATTENTION_MODES = ("auto", "flex", "dense")
 
 
-def uses_flex(mode: str, device: torch.device | str) -> bool:
+# torch's compiled flex kernels refuse head dims below 16 ("NYI: embedding dimension ... must be at least 16")
+FLEX_MIN_HEAD_DIM = 16
+
+
+def uses_flex(mode: str, device: torch.device | str, head_dim: int | None = None) -> bool:
     """Whether training attention ``mode`` (``drafter.attention``) takes the flex path on ``device``.
 
-    auto: flex on CUDA (block-sparse, compiled kernels), dense elsewhere: on the CPU
-    flex_attention is unfused (it materializes the full score matrix anyway) and has
-    no backward. dense: SDPA with the (N, 1, S, L+S) bool mask, the reference.
+    auto: flex on CUDA (block-sparse, compiled kernels) for head dims of at least
+    ``FLEX_MIN_HEAD_DIM`` (None: not checked), dense elsewhere: on the CPU flex_attention is
+    unfused (it materializes the full score matrix anyway) and has no backward, and torch's
+    compiled kernels refuse smaller heads. dense: SDPA with the (N, 1, S, L+S) bool mask, the
+    reference. flex: always (the caller reports what cannot run).
     """
     if mode not in ATTENTION_MODES:
         raise ValueError(f"attention mode {mode!r}: expected one of {', '.join(ATTENTION_MODES)}")
-    return mode == "flex" or (mode == "auto" and torch.device(device).type == "cuda")
+    small_heads = head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM
+    return mode == "flex" or (mode == "auto" and torch.device(device).type == "cuda" and not small_heads)
 
 
 def context_padding_mask(lengths: torch.Tensor, context_slots: int, block_len: int) -> torch.Tensor:

@@ -104,10 +104,12 @@ def chunked_head_outputs(
 
 
 def logsumexp_of_float(raw: torch.Tensor) -> torch.Tensor:
-    """``torch.logsumexp(raw.float(), dim=-1)`` bit for bit, without the fp32 copy of raw: raw (C, V) -> (C,)
+    """``torch.logsumexp(raw.float(), dim=-1)`` without the fp32 copy of raw: raw (C, V) -> (C,)
     fp32. The steps of torch's logsumexp (row max, inf max to 0, exp of the difference, sum, log, add the
     max back), with the bf16 -> fp32 conversion done inside the subtraction (type promotion) instead of
-    into a (C, V) fp32 tensor first; the max of a bf16 row converts exactly to the max of its fp32 one."""
+    into a (C, V) fp32 tensor first; the max of a bf16 row converts exactly to the max of its fp32 one.
+    Bit for bit on the CPU; on the H200 (torch 2.11) short rows (64) came out summed in another order
+    than torch.logsumexp's (fp32 rounding), while the CE's vocabulary-long rows were bit for bit."""
     if raw.dtype == torch.float32:
         return torch.logsumexp(raw, dim=-1)
     maxes = torch.amax(raw, dim=-1, keepdim=True).float()  # (C, 1)

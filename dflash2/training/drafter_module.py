@@ -16,7 +16,7 @@ import time
 import lightning as L
 import torch
 
-from dflash2.drafter.masks import uses_flex
+from dflash2.drafter.masks import FLEX_MIN_HEAD_DIM, uses_flex
 from dflash2.drafter.objective import (
     WeightTotal,
     anchor_generator,
@@ -152,10 +152,16 @@ class DrafterTrainingModule(L.LightningModule):
                 "a batch has no eligible anchor (no two consecutive response tokens); "
                 "check data.response_tokens and the loss mask"
             )
-        use_flex = uses_flex(self.attention, input_ids.device)
+        head_dim = self.drafter.config.head_dim
+        use_flex = uses_flex(self.attention, input_ids.device, head_dim)
         if use_flex and not input_ids.is_cuda and torch.is_grad_enabled():
             raise DFlash2Error(
                 "drafter.attention=flex on the CPU: FlexAttention has no backward there; use drafter.attention=auto"
+            )
+        if use_flex and input_ids.is_cuda and head_dim < FLEX_MIN_HEAD_DIM:
+            raise DFlash2Error(
+                f"drafter.attention=flex with head_dim {head_dim}: torch's flex kernels need a head dim of at least "
+                f"{FLEX_MIN_HEAD_DIM}; use drafter.attention=auto (dense for such heads)"
             )
         hidden = self.drafter.training_forward(
             taps, input_ids, self.target.embed_tokens, anchors, valid, use_flex=use_flex
