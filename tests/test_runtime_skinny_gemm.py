@@ -129,9 +129,15 @@ def test_strided_and_empty_inputs():
 def test_plan_depends_on_shape_only():
     """The plan (which fixes the rounding) is a function of (N, K, dtype, device); splits drop empty slices."""
     cpu = torch.device("cpu")
-    p = plan(4096, 12288, torch.bfloat16, cpu)
-    assert p["block_k"] == 256 and p["k_split"] % p["block_k"] == 0
+    p = plan(4096, 12288, torch.bfloat16, cpu, split_k=3)
+    assert p["block_k"] == 128 and p["k_split"] % p["block_k"] == 0
     assert p["split_k"] * p["k_split"] >= 12288 > (p["split_k"] - 1) * p["k_split"]
+    # the defaults bench_gemm's H200 sweep picked per Qwen3-8B weight: (block_n, block_k), no split where
+    # the columns fill half the SMs (8 "SMs" off CUDA)
+    for (n, k), tiles in {(6144, 4096): (32, 256), (4096, 12288): (32, 128), (24576, 4096): (64, 128)}.items():
+        got = plan(n, k, torch.bfloat16, cpu)
+        assert (got["block_n"], got["block_k"], got["split_k"]) == (*tiles, 1), (n, k)
+    assert plan(64, 4096, torch.bfloat16, cpu)["split_k"] > 1  # 2 column tiles for 8 SMs: K is split
     q = plan(N, K, torch.float32, cpu, block_n=16, block_k=16, split_k=4)  # 6 tiles of K: 3 slices of 2
     assert (q["split_k"], q["k_split"], q["even_k"], q["n_tiles"]) == (3, 32, False, 3)
     assert plan(N, K, torch.float32, cpu, split_k=1)["reduce"] == "none"

@@ -209,35 +209,39 @@ def _splitk_reduce_kernel(
 
 
 # ----------------------------------------------------------------------------- launch plan
+# Weights at least this wide (gate|up, LM heads) stream best in 64-column tiles of 128 K (the sweep's winners
+# there); narrower ones (q|k|v, o_proj, down) in 32-column tiles.
+WIDE_N = 16384
+
+
 def plan(N: int, K: int, dtype: torch.dtype, device: torch.device, **options) -> dict:
     """The launch plan of a (N, K) weight: tiles, K slices, warps, stages — never a function of M.
 
     options (tuning knobs; dflash2/runtime/bench_gemm.py sweeps them): block_n (output columns per
     program), block_k (K per tile), split_k (slices of K; 1 = none), reduce ("kernel" | "fused", how
     split partials are summed), swap (dot(W, xᵀ) instead of dot(x, Wᵀ)), num_warps, num_stages.
-    Defaults: block_k 256 (128 for fp32), capped at K rounded up to a power of two (≥ 16: tl.dot's
-    minimum); block_n halves from 64 (down to 16) until the columns alone give 2 programs per SM;
-    split_k cuts K when the columns still give fewer programs than SMs, to ~2 per SM, keeping
-    slices ≥ 4 tiles. Returned: the resolved knobs, k_split (K elements per slice, a multiple of
+    Defaults, from bench_gemm's sweep on an H200 (docs/BENCHMARKS.md): block_n 32, or 64 for N ≥ WIDE_N;
+    block_k 256, or 128 for fp32, N ≥ WIDE_N or K > 4096, capped at K rounded up to a power of two (≥ 16:
+    tl.dot's minimum); split_k cuts K only when the columns fill fewer than half the SMs, to ~2 programs
+    per SM, keeping slices ≥ 4 tiles. Returned: the resolved knobs, k_split (K elements per slice, a multiple of
     block_k), split_k (slices actually launched: empty trailing ones dropped), n_tiles, even_k.
     """
     unknown = set(options) - {"block_n", "block_k", "split_k", "reduce", "swap", "num_warps", "num_stages"}
     if unknown:
         raise ValueError(f"unknown skinny GEMM options {sorted(unknown)}")
     sms = _sm_count(torch.device(device))
-    block_k = options.get("block_k") or min(128 if dtype == torch.float32 else 256, max(16, _next_pow2(K)))
-    block_n = options.get("block_n")
-    if not block_n:
-        block_n = 64
-        while block_n > 16 and -(-N // block_n) < 2 * sms:
-            block_n //= 2
+    wide = N >= WIDE_N  # gate|up, LM heads: wider column tiles, shorter K tiles
+    block_k = options.get("block_k") or min(
+        128 if dtype == torch.float32 or wide or K > 4096 else 256, max(16, _next_pow2(K))
+    )
+    block_n = options.get("block_n") or (64 if wide else 32)
     if block_n < 16 or block_k < 16 or block_n & (block_n - 1) or block_k & (block_k - 1):
         raise ValueError(f"block_n {block_n} and block_k {block_k} must be powers of two ≥ 16 (tl.dot)")
     n_tiles = -(-N // block_n)
     k_tiles = max(1, -(-K // block_k))
     split = options.get("split_k")
-    if not split:
-        split = 1 if n_tiles >= sms else min(-(-2 * sms // n_tiles), max(1, k_tiles // 4))
+    if not split:  # only where the columns fill under half the SMs: splitting costs a partial write and a sum
+        split = 1 if 2 * n_tiles >= sms else min(-(-2 * sms // n_tiles), max(1, k_tiles // 4))
     split = max(1, min(int(split), k_tiles))
     tiles_per_split = -(-k_tiles // split)
     split = -(-k_tiles // tiles_per_split)  # e.g. 5 tiles in 4 slices of 2: 3 slices
