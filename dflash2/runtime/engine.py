@@ -42,9 +42,10 @@ from dflash2.decoding.sampling import SamplingParams, warp_probs
 from dflash2.errors import DFlash2Error
 from dflash2.runtime.drafter import RuntimeDrafter
 from dflash2.runtime.graphs import BATCH_BUCKETS, PhaseGraphs, batch_bucket
+from dflash2.runtime.kernels.accept import greedy_accept
 from dflash2.runtime.poll import LaggedPoll
 from dflash2.runtime.sampling import Proposal
-from dflash2.runtime.step import accept_greedy, accept_sampled, choose, emit, finish_step, prefill
+from dflash2.runtime.step import accept_sampled, choose, emit, prefill
 
 KV_BUCKET = 64  # eager: attention reads the caches up to the longest row rounded up to this
 GRAPH_KV_BUCKET = 256  # graphs: one capture per bucket, so coarser (the extra cache read is small)
@@ -287,12 +288,12 @@ class Decoder:
         s.nxt.copy_(choose(logits, params, generator))
 
     def _ar_accept(self, s: Slot) -> None:
-        zero = torch.zeros_like(s.nxt)  # an AR step is a verify step with no drafts
-        acc = finish_step(zero, s.nxt, s.no_drafts, active=s.active, eos_token_id=s.eos, budget=s.limit - s.count)
-        s.commit_n.copy_(acc.commit)  # the fed token (the previous one) enters the caches
-        s.count.copy_(emit(s.out, s.count, acc.tokens, acc.num_emitted))
-        s.active.copy_(s.active & ~acc.finished)
-        s.token.copy_(torch.where(s.active, s.nxt, s.token))
+        # an AR step is a greedy verify step with no drafts (whatever chose nxt); the fed token (the previous
+        # one) enters the caches even when the row finishes now (kernels/accept.py: one launch on CUDA)
+        greedy_accept(
+            s.nxt[:, None], s.no_drafts, s.eos, s.active, s.count, s.limit, s.out, s.commit_n, s.token,
+            commit_finishing=True,
+        )  # fmt: skip
 
     def _draft(self, s: Slot, kv_len: int, params, generator, argmax_drafts: bool) -> None:
         proposal = self.drafter.propose(s.ctx, s.token, params, generator, kv_len=kv_len, argmax_drafts=argmax_drafts)
@@ -310,11 +311,15 @@ class Decoder:
             s.probs = s.keep("p", warp_probs(logits, params))
 
     def _accept(self, s: Slot, params, generator) -> None:
+        if params.greedy:  # the same bookkeeping as below, in place (kernels/accept.py: one launch on CUDA)
+            greedy_accept(
+                s.argmax, s.drafts, s.eos, s.active, s.count, s.limit, s.out, s.commit_n, s.token,
+                log=s.log, step=s.step,
+            )  # fmt: skip
+            s.step.add_(1)
+            return
         finish = dict(active=s.active, eos_token_id=s.eos, budget=s.limit - s.count)
-        if params.greedy:
-            acc = accept_greedy(s.argmax, s.drafts, **finish)
-        else:
-            acc = accept_sampled(s.probs, s.proposal, generator, **finish)
+        acc = accept_sampled(s.probs, s.proposal, generator, **finish)
         # rows that finish now commit nothing: they never decode again, and a frozen row's length stays
         # ≤ prompt + emitted − 1, which is what the caches are sized for (a cut block commits more than it emits)
         s.commit_n.copy_(torch.where(acc.finished, 0, acc.commit))
