@@ -159,3 +159,42 @@ def test_kernels_off_runs_the_twin(monkeypatch):
     am, dr, act, cnt, lim = _cases()
     with kernels.kernels(False):
         _run(greedy_accept, _slot(am, dr, act, cnt, lim), True)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 8])
+def test_decoder_through_the_kernel_equals_the_twin(hf_targets, monkeypatch, block_size):
+    """Whole generations (ragged acceptance, EOS inside a block, a budget cut) with the accept kernel
+    (interpreter) == with the twin: the same tokens and per-row accepted / emitted counts."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the kernel through the interpreter")
+    from test_runtime_engine import PROMPTS, TAPS, ScriptedProposer
+
+    import dflash2.runtime.kernels.accept as accept
+    from dflash2.decoding import greedy_generate
+    from dflash2.runtime import Decoder, load_model
+    from dflash2.target import TargetModel
+
+    hf, folder = hf_targets["qwen3"]
+    model = load_model(folder, target_layer_ids=TAPS)
+    gen = greedy_generate(TargetModel(hf, target_layer_ids=TAPS), PROMPTS, 40)
+    full = [p + g for p, g in zip(PROMPTS, gen)]
+    eos = gen[0][11]  # inside row 0's continuation
+    runs, launches = [], []
+    jit = accept.jit
+    for fused in (False, True):
+        with monkeypatch.context() as m:
+            m.setattr(accept, "use_triton", lambda t, fused=fused: fused)
+            m.setattr(accept, "jit", lambda *a, fused=fused, **k: launches.append(fused) or jit(*a, **k))
+            if block_size == 1:
+                dec = Decoder(model, max_len=64)
+                runs.append([dec.generate_ar(PROMPTS, n, eos_token_id=e) for n, e in ((33, eos), (21, None))])
+            else:
+                proposer = ScriptedProposer(
+                    full, ["oracle", "partial", "wrong", "partial"], block_size, model.vocab_size
+                )
+                dec = Decoder(model, proposer, max_len=64)
+                res = [dec.generate_spec(PROMPTS, n, eos_token_id=e) for n, e in ((33, eos), (21, None))]
+                runs.append([(r.sequences, r.accepted_drafts, r.emitted) for r in res])
+    assert runs[0] == runs[1] and launches and all(launches)  # the kernel ran, and only when fused
+    sequences = runs[0][0] if block_size == 1 else runs[0][0][0]
+    assert sequences[0] == gen[0][: gen[0].index(eos) + 1]  # row 0 stopped at its EOS
