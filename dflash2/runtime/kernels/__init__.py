@@ -15,6 +15,9 @@ These kernels fold each such group into one launch:
   writing the context K/V of every drafter layer in one launch (no q);
 * :func:`~dflash2.runtime.kernels.selector.selector_walk`: the DFlash2 selector's greedy walk over a
   block, one program per row (twin: the walk's eager ops);
+* :func:`~dflash2.runtime.kernels.accept.greedy_accept`: the T=0 accept phase's bookkeeping after the
+  verify's argmax (accepted prefix, bonus, EOS / budget cut, output write, counters), one program per
+  row, in place on the decode slot's buffers (twin: the same in a dozen-odd tensor ops; integer, exact);
 * :func:`~dflash2.runtime.kernels.act.silu_mul`: the SwiGLU activation;
 * :func:`~dflash2.runtime.kernels.attention.decode_attention`: split-K decode attention over
   the static KV cache (the default attention on CUDA, ``set_attention_backend`` in cache.py; its twin
