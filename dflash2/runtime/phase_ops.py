@@ -8,11 +8,11 @@ This runs a random target + drafter eagerly on the CPU (no graphs, no GPU needed
 (draft / verify / accept / commit, the engine's own phase boundaries: ``Decoder.timer``), the aten ops
 that would be a kernel each on CUDA: every op the dispatcher runs except views and allocations
 (:func:`op_kind`). Calls that CUDA runs as fused Triton kernels (the target's and the drafter's norms and
-q/k norm + RoPE + cache writes, SwiGLU, decode attention, the GDN verify and the deferred GDN commit) run their
-plain twins here; they count as the launches they are on CUDA (:data:`FUSED`), unless ``--raw``.
-Ops inside a drafter or target layer are also attributed to that layer (``draft`` per drafter layer,
-``verify`` per target layer kind), and ``commit`` is split into the target's part and the drafter
-context append.
+q/k norm + RoPE + cache writes, SwiGLU, decode attention, the GDN verify, its gated output norm and the
+deferred GDN commit) run their plain twins here; they count as the launches they are on CUDA
+(:data:`FUSED`), unless ``--raw``. Ops inside a drafter or target layer are also attributed to that
+layer (``draft`` per drafter layer, ``verify`` per target layer kind), and ``commit`` is split into the
+target's part and the drafter context append.
 
 Shapes (``--shape``): ``small`` = the embedded GPU target recipe (configs/target/small.yaml: 12-layer
 Qwen3.5 hybrid, 9 GDN + 3 attention, hidden 768, vocab 8192) with a 3-layer DFlash2 drafter (4 heads /
@@ -215,6 +215,7 @@ FUSED = (
     ("dflash2.runtime.kernels.draft_rope", "draft_qk_rope_write_ref", 1),
     ("dflash2.runtime.selector_path", "greedy_walk", 2),  # the hidden projection's GEMM + the walk's launch
     ("dflash2.runtime.kernels.act", "silu_mul_ref", 1),
+    ("dflash2.runtime.kernels.gated_norm", "gated_rms_norm_ref", 1),
     ("dflash2.runtime.gdn_state", "GDNState.verify", 2),
     ("dflash2.runtime.gdn_state", "GDNState.commit", 1),
 )

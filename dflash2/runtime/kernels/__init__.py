@@ -16,6 +16,8 @@ These kernels fold each such group into one launch:
 * :func:`~dflash2.runtime.kernels.selector.selector_walk`: the DFlash2 selector's greedy walk over a
   block, one program per row (twin: the walk's eager ops);
 * :func:`~dflash2.runtime.kernels.act.silu_mul`: the SwiGLU activation;
+* :func:`~dflash2.runtime.kernels.gated_norm.gated_rms_norm`: the Gated DeltaNet output norm,
+  RMSNorm(o) · w · silu(z) (Qwen3.5 / Qwen3-Next RMSNormGated), one program per token and head;
 * :func:`~dflash2.runtime.kernels.attention.decode_attention`: split-K decode attention over
   the static KV cache (the default attention on CUDA, ``set_attention_backend`` in cache.py; its twin
   is a naive fp32 softmax).
