@@ -4,7 +4,8 @@ On the CPU they run through Triton's interpreter (conftest sets TRITON_INTERPRET
 machines without a GPU; ``kernels.on_cpu()`` sends CPU tensors to the kernels): fp32 to
 rounding, bf16 to a few units in the last place (the interpreter's fp32 -> bf16 cast
 does not round to nearest, the GPU's does). On a GPU: bf16 to one unit in the last
-place. Also: a whole model forward with every kernel equals the twins' forward, fused
+place. Also: a whole model forward with every kernel equals the twins' forward, the hybrid with
+and without the GDN output norm's kernel agree (and decode HF's greedy tokens with it), fused
 projections share memory with the HF-named parameters, and poisoned outputs are fully
 overwritten.
 """
@@ -190,6 +191,33 @@ def test_hybrid_gdn_output_norm_kernel(interpret, hf_targets, monkeypatch, dtype
         if dtype == torch.bfloat16:
             assert (a - b).abs().mean() < 0.02  # ~2 bf16 ulps of these logits on average
         torch.testing.assert_close(a, b, **tol)
+
+
+def test_hybrid_greedy_with_the_gdn_output_norm_kernel_equals_hf(hf_targets, monkeypatch):
+    """fp32 greedy AR decoding of the hybrid, its GDN output norms through the kernel (interpreter; the other
+    kernels stay twins), emits HF's greedy tokens, ragged batch included."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreter run; on a GPU the engine tests run every kernel")
+    from dflash2.decoding import greedy_generate
+    from dflash2.runtime.engine import generate_ar
+    from dflash2.target import TargetModel
+
+    calls = []
+    real_ref = gated_norm.gated_rms_norm_ref
+
+    def spy(*args):
+        calls.append(1)
+        return real_ref(*args)
+
+    monkeypatch.setattr(gated_norm, "gated_rms_norm_ref", spy)
+    monkeypatch.setattr(gated_norm, "use_triton", lambda t: kernels.enabled())
+    hf, folder = hf_targets["qwen3_5"]
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (7, 3, 12)]
+    expected = greedy_generate(TargetModel(hf, target_layer_ids=[0, 1]), prompts, 13)
+    model = load_model(folder, target_layer_ids=[0, 1])
+    assert generate_ar(model, prompts, 13) == expected
+    assert not calls  # every GDN output norm ran the kernel
 
 
 def test_fused_projections_share_memory(hf_targets):
