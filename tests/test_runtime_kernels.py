@@ -4,7 +4,8 @@ On the CPU they run through Triton's interpreter (conftest sets TRITON_INTERPRET
 machines without a GPU; ``kernels.on_cpu()`` sends CPU tensors to the kernels): fp32 to
 rounding, bf16 to a few units in the last place (the interpreter's fp32 -> bf16 cast
 does not round to nearest, the GPU's does). On a GPU: bf16 to one unit in the last
-place. Also: a whole model forward with every kernel equals the twins' forward, fused
+place. Also: a whole model forward with every kernel equals the twins' forward, the hybrid with
+and without the GDN output norm's kernel agree (and decode HF's greedy tokens with it), fused
 projections share memory with the HF-named parameters, and poisoned outputs are fully
 overwritten.
 """
@@ -13,9 +14,12 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dflash2.runtime import kernels, load_model
+from dflash2.runtime.kernels import gated_norm
 from dflash2.runtime.kernels.act import silu_mul, silu_mul_ref
+from dflash2.runtime.kernels.gated_norm import gated_rms_norm, gated_rms_norm_ref
 from dflash2.runtime.kernels.norm import add_rms_norm, add_rms_norm_ref
 from dflash2.runtime.kernels.rope import qk_norm_rope_write, qk_norm_rope_write_ref
 
@@ -61,6 +65,39 @@ def test_silu_mul(interpret, dtype):
     for device in _devices():
         gu = torch.randn(2, 3, 2 * 1500, generator=torch.Generator().manual_seed(1)).to(device, dtype)
         _assert_close(silu_mul(gu), silu_mul_ref(gu), dtype, device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 3, 5, 96), (1, 1, 4, 128), (7, 3, 40), (3, 1, 33)])
+def test_gated_rms_norm(interpret, dtype, shape):
+    """The GDN output norm (x, z (..., G, D)): head dims 96 / 128 and odd ones, odd row counts, G heads
+    per row; z a column slice of a wider projection (not contiguous), as in the GDN layer. Rounded at the
+    twin's three points (tolerances: the module docstring)."""
+    *lead, G, D = shape
+    for device in _devices():
+        g = torch.Generator().manual_seed(4)
+        x = torch.randn(*shape, generator=g).to(device, dtype)
+        proj = torch.randn(*lead, 3 + G * D + 5, generator=g).to(device, dtype)
+        z = proj[..., 3 : 3 + G * D].reshape(shape)  # a view: rows G·D + 8 apart
+        assert z.stride(-2) == D and (z.dim() < 3 or z.shape[-3] == 1 or z.stride(-3) == G * D + 8)
+        w = (1.0 + 0.5 * torch.randn(D, generator=g)).to(device, dtype)
+        y = gated_rms_norm(x, z, w, 1e-6)
+        assert y.shape == x.shape and y.dtype == dtype and y.isfinite().all()
+        _assert_close(y, gated_rms_norm_ref(x, z, w, 1e-6), dtype, device)
+
+
+def test_gated_rms_norm_cpu_is_the_eager_code():
+    """Outside ``on_cpu()`` (and with kernels switched off) CPU tensors run the twin: bit for bit the eager ops."""
+    g = torch.Generator().manual_seed(5)
+    x, z = torch.randn(2, 3, 4, 24, generator=g).bfloat16(), torch.randn(2, 3, 4, 24, generator=g).bfloat16()
+    w = torch.randn(24, generator=g).bfloat16()
+    x32 = x.float()
+    eager = (w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * F.silu(z.float())).to(
+        x.dtype
+    )
+    assert torch.equal(gated_rms_norm(x, z, w, 1e-6), eager)
+    with kernels.kernels(False):
+        assert torch.equal(gated_rms_norm(x, z, w, 1e-6), eager)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -112,6 +149,75 @@ def test_model_forward_with_kernels_equals_twins(interpret, hf_targets, device):
                 outs.append((out.logits, out.taps, state.kv.k.clone(), state.kv.v.clone()))
         for a, b in zip(*outs):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hybrid_gdn_output_norm_kernel(interpret, hf_targets, monkeypatch, dtype):
+    """The hybrid's forward (prefill + a verify block) with the GDN output norm's kernel == with its twin.
+
+    Only that kernel changes between the two runs (the other kernels stay on), and a spy checks the GDN
+    layers really took the kernel (no twin call) with kernels on and the twin with them off. Tolerance:
+    fp32 as the whole-model test. bf16: the interpreter's truncating cast biases every rounding of the
+    kernel the same way, and the differences grow through the layers and both forwards: logits (std
+    ~0.5, |max| < 2, a bf16 ulp 2⁻⁷ there) measured up to 0.072 apart, 0.009-0.014 on average; the
+    other kernels on vs off move the same logits by up to 0.15 (0.024 on average). So 0.1 at most,
+    0.02 on average."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the CPU half runs under the interpreter; the GPU half is the whole-model test")
+    calls = []
+    real_ref = gated_norm.gated_rms_norm_ref
+
+    def spy(*args):
+        calls.append(1)
+        return real_ref(*args)
+
+    monkeypatch.setattr(gated_norm, "gated_rms_norm_ref", spy)
+    model = load_model(hf_targets["qwen3_5"][1], dtype=dtype, target_layer_ids=[0, 1])
+    n_gdn = sum(layer.kind == "linear_attention" for layer in model.layers)
+    assert n_gdn > 0
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(6))
+    outs = []
+    for on in (True, False):
+        calls.clear()
+        monkeypatch.setattr(gated_norm, "use_triton", (lambda t: kernels.use_triton(t)) if on else (lambda t: False))
+        state = model.new_state(2, 32)
+        first = model(ids, state, logits_index=torch.tensor([8, 5]))
+        state.commit(torch.tensor([9, 6]))
+        out = model(ids[:, :4], state)
+        assert len(calls) == (0 if on else 2 * n_gdn)
+        outs.append((first.logits.float(), out.logits.float(), *(t.float() for t in out.taps)))
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.1, atol=0.1)
+    for a, b in zip(*outs):
+        if dtype == torch.bfloat16:
+            assert (a - b).abs().mean() < 0.02  # ~2 bf16 ulps of these logits on average
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_hybrid_greedy_with_the_gdn_output_norm_kernel_equals_hf(hf_targets, monkeypatch):
+    """fp32 greedy AR decoding of the hybrid, its GDN output norms through the kernel (interpreter; the other
+    kernels stay twins), emits HF's greedy tokens, ragged batch included."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreter run; on a GPU the engine tests run every kernel")
+    from dflash2.decoding import greedy_generate
+    from dflash2.runtime.engine import generate_ar
+    from dflash2.target import TargetModel
+
+    calls = []
+    real_ref = gated_norm.gated_rms_norm_ref
+
+    def spy(*args):
+        calls.append(1)
+        return real_ref(*args)
+
+    monkeypatch.setattr(gated_norm, "gated_rms_norm_ref", spy)
+    monkeypatch.setattr(gated_norm, "use_triton", lambda t: kernels.enabled())
+    hf, folder = hf_targets["qwen3_5"]
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (7, 3, 12)]
+    expected = greedy_generate(TargetModel(hf, target_layer_ids=[0, 1]), prompts, 13)
+    model = load_model(folder, target_layer_ids=[0, 1])
+    assert generate_ar(model, prompts, 13) == expected
+    assert not calls  # every GDN output norm ran the kernel
 
 
 def test_fused_projections_share_memory(hf_targets):

@@ -4,7 +4,7 @@ Each family file (qwen3.py, llama.py, qwen3_5.py) assembles its decoder from the
 and owns its forward. The dtype handling copies the HF modeling code on purpose
 (normalise in fp32, round back where HF rounds back) so that bf16 runs match HF's
 bf16 numerics as closely as fp32 runs match its fp32 ones. The element-wise groups
-(residual add + norm, q/k norm + RoPE + cache write, SwiGLU) go through
+(residual add + norm, q/k norm + RoPE + cache write, SwiGLU, the GDN output norm) go through
 ``dflash2.runtime.kernels``: fused Triton kernels on CUDA, their eager twins elsewhere;
 ``fuse()`` concatenates q|k|v and gate|up weights so each is one GEMV. Every projection goes
 through ``gemm.linear`` (``F.linear``, or the skinny GEMM under ``set_gemm_backend("skinny")``).
@@ -22,6 +22,7 @@ from torch import nn
 from dflash2.runtime.cache import KVCache, StepMeta
 from dflash2.runtime.gemm import linear
 from dflash2.runtime.kernels.act import silu_mul
+from dflash2.runtime.kernels.gated_norm import gated_rms_norm
 from dflash2.runtime.kernels.norm import add_rms_norm
 from dflash2.runtime.kernels.rope import qk_norm_rope_write, split_qkv
 from dflash2.text_model import rope_theta
@@ -87,9 +88,8 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        y = self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (y * F.silu(gate.float())).to(x.dtype)
+        """x, gate (..., H, dv) -> (..., H, dv): one fused launch on CUDA, the eager HF ops elsewhere."""
+        return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class MLP(nn.Module):
