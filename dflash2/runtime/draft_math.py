@@ -19,7 +19,10 @@ constant parts prepared once (:mod:`dflash2.runtime.draft_weights`) and the rest
 * :func:`conv_kernels` / :func:`conv_side`: the per-position kernels of both sides and all taps in
   one add (the group delta broadcast instead of repeated), and each side as one product over a
   strided window of the zero-padded input plus the sum of its taps (taps stored reversed, so
-  that the window's order is the kernel's).
+  that the window's order is the kernel's); :func:`conv_kernels_of` / :func:`conv_apply` are the
+  same from the projection's output and for one side, the twin of the fused Triton kernel
+  (:func:`~dflash2.runtime.kernels.local_conv.local_conv`: kernel add, pad, products and sum of a
+  side in one launch).
 
 Shapes: N rows, T block tokens (T ≤ B, one block from its first position), d hidden, hd head_dim,
 h heads (any stack of heads: q and k, or K of several layers), K conv taps, G conv groups.
@@ -73,10 +76,20 @@ def conv_kernels(x: torch.Tensor, projection: torch.Tensor, base: torch.Tensor) 
     kernel with the taps reversed (:class:`~dflash2.runtime.draft_weights.ConvWeights`). Returns
     W (N, T, 2, K, d) in x's dtype: W[n, i, s, K-1-t, c] = base[s, t, c] + δ[n, i, s, t, c // gs], the
     module's ``base_kernel[s, t] + δ.repeat_interleave(gs)``, one add for every side and tap."""
-    N, T, d = x.shape
+    return conv_kernels_of(F.linear(x, projection), base)  # the module's deltas(x), taps reversed
+
+
+def conv_kernels_of(delta: torch.Tensor, base: torch.Tensor, side: int | None = None) -> torch.Tensor:
+    """:func:`conv_kernels` from the projection's output delta (N, T, 2·K·G) (taps reversed, as ``ConvWeights``).
+
+    Returns W (N, T, 2, K, d) in delta's dtype (x's), or with ``side`` only that side's (N, T, K, d): the
+    same add on half of the operands, so every element is the same value."""
+    N, T, _ = delta.shape
     K, G = base.shape[1:3]
-    delta = F.linear(x, projection).view(N, T, 2, K, G, 1)  # the module's deltas(x), taps reversed
-    return (base.to(x.dtype) + delta).view(N, T, 2, K, d)
+    delta = delta.view(N, T, 2, K, G, 1)
+    if side is None:
+        return (base.to(delta.dtype) + delta).view(N, T, 2, K, -1)
+    return (base[side].to(delta.dtype) + delta[:, :, side]).view(N, T, K, -1)
 
 
 def conv_side(x: torch.Tensor, kernels: torch.Tensor, side: int) -> torch.Tensor:
@@ -85,12 +98,17 @@ def conv_side(x: torch.Tensor, kernels: torch.Tensor, side: int) -> torch.Tensor
     kernels: :func:`conv_kernels` (N, T, 2, K, d). out[i] = Σ_t W_t[i]·x[i−t], x[j < 0] = 0, summed as
     ``BlockLocalConv.forward`` sums (term 0, then + term 1, ...). Its in-block mask multiplies by 1
     inside one block (the zero padding already stands for i − t < 0), so it is left out."""
+    return conv_apply(x, kernels[:, :, side])
+
+
+def conv_apply(x: torch.Tensor, kernels: torch.Tensor) -> torch.Tensor:
+    """:func:`conv_side` with one side's kernels (N, T, K, d) (taps reversed). Returns (N, T, d) in x's dtype."""
     N, T, d = x.shape
-    K = kernels.shape[3]
+    K = kernels.shape[2]
     padded = F.pad(x, (0, 0, K - 1, 0))  # (N, K-1+T, d)
     s = padded.stride()
     window = padded.as_strided((N, T, K, d), (s[0], s[1], s[1], s[2]))  # window[n, i, j] = x[i + j - (K-1)]
-    terms = window * kernels[:, :, side]  # (N, T, K, d): term t at j = K-1-t
+    terms = window * kernels  # (N, T, K, d): term t at j = K-1-t
     out = terms[:, :, K - 1]
     for j in range(K - 2, -1, -1):
         out = out + terms[:, :, j]

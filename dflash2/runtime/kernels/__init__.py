@@ -13,6 +13,8 @@ These kernels fold each such group into one launch:
   :func:`~dflash2.runtime.kernels.draft_rope.draft_qk_rope_write`: the same two for the runtime
   drafter, in its rounding (fp32 norm weights, one rounding; its RoPE tables), the latter also
   writing the context K/V of every drafter layer in one launch (no q);
+* :func:`~dflash2.runtime.kernels.local_conv.local_conv`: one side of the drafter's DFlash2 local conv (kernel
+  add, padded shifted products, their sum), one program per token and channel tile (twin: draft_math's ops);
 * :func:`~dflash2.runtime.kernels.selector.selector_walk`: the DFlash2 selector's greedy walk over a
   block, one program per row (twin: the walk's eager ops);
 * :func:`~dflash2.runtime.kernels.accept.greedy_accept`: the T=0 accept phase's bookkeeping after the
