@@ -1,5 +1,5 @@
-"""The runtime drafter's fused kernels (add_rms_norm_fp32w, draft_qk_rope_write) against their twins, and a
-draft step through them against the eager step.
+"""The runtime drafter's fused kernels (add_rms_norm_fp32w, draft_qk_rope_write, local_conv, selector_walk) against
+their twins, and a draft step through them against the eager step.
 
 On the CPU they run through Triton's interpreter (``kernels.on_cpu()``; conftest sets TRITON_INTERPRET=1
 without a GPU). Tolerances: the kernels round at the twins' points, and the one reduction (a row's or
@@ -8,8 +8,11 @@ a few fp32 ulps (rtol = atol = 1e-5, as test_runtime_kernels.py; values are O(1)
 rounded terms). bf16: where that last bit flips a rounding, one bf16 ulp (2⁻⁸ relative) on a GPU; under
 the interpreter the fp32 -> bf16 cast does not round to nearest (test_runtime_kernels.py), so a few
 ulps there. The residual sum h (one fp32 add, rounded once) is exact but for that cast; V, a copy,
-is exact. The whole step: the fused path drafts the same tokens as the eager path (fp32) and
-writes the same caches (the kernel tests poison what must stay unwritten).
+is exact. local_conv has no reduction and is compiled without FMA contraction, so it is exact against its twin
+where the cast rounds to nearest (fp32 under the interpreter: asserted bit for bit); on a GPU it is held to the
+convention above, and bf16 under the interpreter to the interpreter's (each of its 2K-1 roundings may truncate).
+The whole step: the fused path drafts the same tokens as the eager path (fp32) and writes the same caches (the
+kernel tests poison what must stay unwritten).
 """
 
 import dataclasses
@@ -23,10 +26,11 @@ from conftest import nontrivial_dflash2, spec_drafter
 from dflash2.decoding import SamplingParams
 from dflash2.drafter import DFlashDrafter
 from dflash2.runtime import kernels, load_model
-from dflash2.runtime.draft_math import rope_tables
+from dflash2.runtime.draft_math import conv_apply, conv_kernels_of, rope_tables
 from dflash2.runtime.drafter import RuntimeDrafter
-from dflash2.runtime.kernels import draft_rope, norm, selector
+from dflash2.runtime.kernels import draft_rope, local_conv, norm, selector
 from dflash2.runtime.kernels.draft_rope import draft_qk_rope_write, draft_qk_rope_write_ref
+from dflash2.runtime.kernels.local_conv import local_conv_ref
 from dflash2.runtime.kernels.norm import add_rms_norm_fp32w, add_rms_norm_fp32w_ref
 from dflash2.runtime.kernels.selector import selector_walk, selector_walk_ref
 
@@ -127,6 +131,65 @@ def test_draft_qk_rope_write(interpret, dtype, variant):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B", [4, 8, 16])
+@pytest.mark.parametrize("K,G,gs", [(2, 7, 3), (3, 5, 9), (2, 80, 16)])
+def test_local_conv(interpret, dtype, B, K, G, gs):
+    """Both sides of one block, every token position 0..B-1 of it (and a partial block of B-1 / 1 tokens: the
+    first tokens of a block, where the taps reach into the padding); odd channel counts (21, 45: one masked
+    tile) and 1280 in groups of 16 (two tiles of 1024 per token, the second masked); K = 2 (the released
+    setting) and 3; an fp32 base with a bf16 x (cast as the twin casts it); exact zeros of both signs."""
+    d = G * gs
+    for device in _devices():
+        g = torch.Generator().manual_seed(B + K)
+        for T in (B, B - 1, 1):
+            x = torch.randn(3, T, d, generator=g).to(device, dtype)
+            x[0, 0, :5] = 0.0
+            x[1, 0, :5] = -0.0
+            delta = torch.randn(3, T, 2 * K * G, generator=g).to(device, dtype)
+            for base_dtype in (dtype, torch.float32):
+                base = (1 + torch.randn(2, K, G, gs, generator=g)).to(device, base_dtype)
+                for side in (0, 1):
+                    got = local_conv.local_conv(x, delta, base, side)
+                    want = local_conv_ref(x, delta, base, side)
+                    assert got.shape == (3, T, d) and got.dtype == dtype
+                    if dtype == torch.float32 and device == "cpu":
+                        assert torch.equal(got, want)  # same roundings, no reduction, no FMA: bit for bit
+                    elif device == "cpu":  # bf16 in the interpreter: see _assert_conv_close
+                        _assert_conv_close(got, want, x, delta, base, side)
+                    else:
+                        _assert_close(got, want, dtype, device)
+
+
+def _assert_conv_close(got, want, x, delta, base, side):
+    """bf16 local conv under the interpreter, whose fp32 -> bf16 cast truncates: each of the 2K-1 roundings of an
+    output (K kernel adds, K products, K-1 sums; and the base's cast) may be off by < 1 ulp (2⁻⁷ relative) of what
+    it rounds, in the kernel and by half that in the twin, so the difference is bounded by ~(K+1)·2⁻⁷ of the
+    magnitudes summed, Σ_t (|base|+|δ|)·|x[i-t]| (held to twice that), not of the output: with cancellation
+    between taps a fixed rtol/atol (the file's interpreter convention) is too tight (seen: 0.125 on an output
+    of 1.4 with taps ~±8)."""
+    K = base.shape[1]
+    mags = conv_apply(x.float().abs(), conv_kernels_of(delta.float().abs(), base.float().abs(), side))
+    assert ((got.float() - want.float()).abs() <= (K + 2) * 2**-6 * mags + 1e-30).all()
+
+
+def test_local_conv_is_the_module():
+    """The twin (and so the fused path's definition) is BlockLocalConv's side, bit for bit (fp32, CPU)."""
+    from dflash2.drafter.local_conv import BlockLocalConv
+    from dflash2.runtime.draft_weights import ConvWeights
+
+    g = torch.Generator().manual_seed(3)
+    conv = BlockLocalConv(21, 3, group_size=3)
+    with torch.no_grad():
+        conv.base_kernel.normal_(generator=g)
+        conv.kernel_projection.weight.normal_(generator=g)
+        x = torch.randn(2, 8, 21, generator=g)
+        w = ConvWeights.of(conv)
+        delta = torch.nn.functional.linear(x, w.projection)
+        for side in (0, 1):
+            assert torch.equal(local_conv_ref(x, delta, w.base, side), conv(x, side, conv.deltas(x), 8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_selector_walk(interpret, dtype):
     """Odd sizes: k = 5 candidates of 40 tokens, rank 24, 3 rows, 6 positions. Tokens are chosen by argmax,
     a near-tie of scores could go either way (see the kernel's docstring); these seeds have none, so the
@@ -150,10 +213,11 @@ def runtime_target(hf_targets):
     return load_model(hf_targets["qwen3"][1], target_layer_ids=[0, 1])
 
 
-@pytest.mark.parametrize("kind", ["v1", "dflash2", "window"])
+@pytest.mark.parametrize("kind", ["v1", "dflash2", "dflash2_k3", "window"])
 def test_fused_draft_step_equals_the_eager_step(runtime_target, kind, monkeypatch):
     """Appends and draft steps (T=0) through the kernels (interpreter) == the eager drafter's: same drafts,
-    hidden states and whole caches (context K/V and the block's) to fp32 rounding. fp32, 2 layers, ragged rows."""
+    hidden states and whole caches (context K/V and the block's) to fp32 rounding. fp32, 2 layers, ragged rows;
+    DFlash2 drafters with their local convs off the identity, each side through local_conv's kernel."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs the kernels through the interpreter")
     shape = SimpleNamespace(
@@ -162,6 +226,8 @@ def test_fused_draft_step_equals_the_eager_step(runtime_target, kind, monkeypatc
     cfg = dataclasses.replace(spec_drafter(shape, 8, v2=kind != "v1").config, num_hidden_layers=2)
     if kind == "window":
         cfg = dataclasses.replace(cfg, layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+    if kind == "dflash2_k3":  # three conv taps (the released drafters have two)
+        cfg = dataclasses.replace(cfg, conv_kernel_size=3)
     drafter = DFlashDrafter(cfg, init_seed=4).eval()
     if kind != "v1":
         nontrivial_dflash2(drafter)
@@ -179,6 +245,7 @@ def test_fused_draft_step_equals_the_eager_step(runtime_target, kind, monkeypatc
         with kernels.on_cpu(), monkeypatch.context() as m:
             m.setattr(norm, "add_rms_norm_fp32w_ref", no_twin)
             m.setattr(draft_rope, "draft_qk_rope_write_ref", no_twin)
+            m.setattr(local_conv, "local_conv_ref", no_twin)
             m.setattr(selector, "selector_walk_ref", no_twin)
             a = fn(contexts[0], *args, **kwargs)
         with kernels.kernels(False):

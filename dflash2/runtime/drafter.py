@@ -23,7 +23,8 @@ arranged for a decode step, which at batch 1 costs what its number of kernels co
 * on CUDA (kernels on: ``dflash2.runtime.kernels``) every norm is one Triton launch with the
   residual add before it folded in (``add_rms_norm_fp32w``: a sublayer returns its two terms,
   the next norm adds them), and a layer's q/k norm + RoPE + block K/V write is one launch, as is
-  the context append's K norm + RoPE + K/V write of every layer (``draft_qk_rope_write``); their
+  the context append's K norm + RoPE + K/V write of every layer (``draft_qk_rope_write``), and each
+  side of a local conv (its kernel add, shifted products and their sum: ``local_conv``); their
   twins, run on the CPU, are the eager ops, so the CPU stays bit for bit with the modules, and
   the kernels differ from them only in a norm's reduction order (last fp32 bit of rstd);
 * the drafter's modules are read for their weights once (:class:`DraftWeights`) and called
@@ -52,9 +53,10 @@ from dflash2.drafter.io import load_drafter
 from dflash2.drafter.model import DFlashDrafter
 from dflash2.errors import DFlash2Error
 from dflash2.runtime.cache import KVCache, StepMeta
-from dflash2.runtime.draft_math import conv_kernels, conv_side, rope_tables
+from dflash2.runtime.draft_math import rope_tables
 from dflash2.runtime.draft_weights import DraftWeights
 from dflash2.runtime.kernels.draft_rope import draft_qk_rope_write
+from dflash2.runtime.kernels.local_conv import local_conv
 from dflash2.runtime.kernels.norm import add_rms_norm_fp32w
 from dflash2.runtime.sampling import Proposal, sample
 from dflash2.runtime.selector_path import selector_greedy_path, selector_sample_sparse
@@ -212,8 +214,8 @@ class RuntimeDrafter:
         h, x = add_rms_norm_fp32w(h, out, norm, self.weights.eps)
         if conv is None:
             return h, fn(x)
-        kernels = conv_kernels(x, conv.projection, conv.base)  # both sides' kernels, from the normed input
-        return h, conv_side(fn(conv_side(x, kernels, 0)), kernels, 1)
+        delta = F.linear(x, conv.projection)  # (N, B, 2·K·G): both sides' dynamic taps, from the normed input
+        return h, local_conv(fn(local_conv(x, delta, conv.base, 0)), delta, conv.base, 1)
 
     def _layer(self, i: int, h: torch.Tensor, out: torch.Tensor | None, cos, sin, kv: KVCache, meta: StepMeta):
         """Drafter layer i on the block h + out (N, B, d) -> its output as the pair (h, out): the sum is the output."""
