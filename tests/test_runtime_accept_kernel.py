@@ -30,8 +30,10 @@ def interpret():
 
 
 def _devices():
+    """Where the kernel runs: the interpreter on the CPU, a GPU. Never empty: without either, the CPU, where
+    ``greedy_accept`` is the twin, so the twin is still checked against the old engine's functions."""
     cpu = ["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []
-    return cpu + (["cuda"] if torch.cuda.is_available() else [])
+    return cpu + (["cuda"] if torch.cuda.is_available() else []) or ["cpu"]
 
 
 def _slot(argmax, drafts, active, count, limit, eos=(EOS,), device="cpu"):
@@ -122,6 +124,19 @@ def _cases():
     ]
     am, dr, act, cnt, lim = (torch.tensor(c) for c in zip(*rows))
     return am, dr, act, cnt, lim
+
+
+def test_edge_cases_emit_and_finish_as_the_rule_says(interpret):
+    """The speculative edge cases' expected outcome, written out (the other tests compare implementations)."""
+    am, dr, act, cnt, lim = _cases()
+    for device in _devices():
+        buf = _slot(am, dr, act, cnt, lim, device=device)
+        got = _run(greedy_accept, buf, spec=True)
+        emitted = (got["count"] - buf["count"]).tolist()
+        assert emitted == [5, 1, 3, 1, 1, 3, 3, 5, 2, 2, 5, 3, 2, 0, 0]
+        still = [True, True, True, False, False, False, False, False, True] + [False] * 6
+        assert got["active"].tolist() == still
+        assert got["out"][0, :5].tolist() == [3, 4, 5, 6, 9] and got["out"][6, 3:6].tolist() == [3, 4, EOS]
 
 
 @pytest.mark.parametrize("spec", [True, False])
