@@ -420,3 +420,17 @@ def chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor, min_expected: float 
     stat = ((obs - exp) ** 2 / exp).sum()
     df = obs.numel() - 1
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+@pytest.fixture
+def interpret():
+    """While a test runs, CPU tensors reach the runtime's Triton kernels through the interpreter
+    (``kernels.on_cpu()``) when TRITON_INTERPRET=1; on a GPU machine nothing changes: the kernels' GPU
+    cases run for real and their CPU cases are left out (tests/kernel_devices.py)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    from dflash2.runtime import kernels
+
+    with kernels.on_cpu():
+        yield

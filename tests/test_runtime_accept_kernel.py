@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from kernel_devices import kernel_devices
 
 from dflash2.runtime import kernels
 from dflash2.runtime.kernels.accept import greedy_accept, greedy_accept_ref
@@ -20,20 +21,10 @@ EOS = 7
 E_SLOTS = 4  # padded with -1 as the engine's slot pads its 16
 
 
-@pytest.fixture
-def interpret():
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        yield
-        return
-    with kernels.on_cpu():
-        yield
-
-
 def _devices():
-    """Where the kernel runs: the interpreter on the CPU, a GPU. Never empty: without either, the CPU, where
+    """Where the kernel runs (kernel_devices). Never empty: without the interpreter or a GPU, the CPU, where
     ``greedy_accept`` is the twin, so the twin is still checked against the old engine's functions."""
-    cpu = ["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []
-    return cpu + (["cuda"] if torch.cuda.is_available() else []) or ["cpu"]
+    return kernel_devices() or ["cpu"]
 
 
 def _slot(argmax, drafts, active, count, limit, eos=(EOS,), device="cpu"):

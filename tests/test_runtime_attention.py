@@ -29,6 +29,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_devices import kernel_devices
 
 from dflash2.runtime import kernels
 from dflash2.runtime.cache import (
@@ -47,20 +48,6 @@ TOL = {
     torch.bfloat16: dict(rtol=2**-6, atol=2**-6),
     torch.float16: dict(rtol=2**-9, atol=2**-8),
 }
-
-
-def _devices():
-    cpu = ["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []
-    return cpu + (["cuda"] if torch.cuda.is_available() else [])
-
-
-@pytest.fixture
-def interpret():
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        yield
-        return
-    with kernels.on_cpu():
-        yield
 
 
 @pytest.fixture
@@ -95,7 +82,7 @@ SPLITS = [{}, dict(num_splits=1), dict(num_splits=3, block_n=16)]
 def test_kernel_equals_twin(interpret, G, D, T, dtype):
     N, hkv, S = 3, 2, 100
     lengths = [0, 37, S - T]  # no cached key; mid-tile; the block ends exactly at the attended length
-    for device in _devices():
+    for device in kernel_devices():
         q, k, v, pos = _inputs(N, hkv, G, T, D, S, lengths, dtype, device)
         for causal, splits in ((True, SPLITS), (False, SPLITS[:1])):  # the rules differ only in each row's limit
             ref = decode_attention_ref(q, k, v, pos, causal)
@@ -109,7 +96,7 @@ def test_kernel_equals_twin(interpret, G, D, T, dtype):
 def test_kernel_fp16_and_strided_q(interpret):
     """fp16, and q as a transposed view (as the drafter builds it): the launcher copies what it must."""
     N, hkv, G, T, D, S = 2, 2, 4, 5, 64, 70
-    for device in _devices():
+    for device in kernel_devices():
         q, k, v, pos = _inputs(N, hkv, G, T, D, S, [3, 65], torch.float16, device)
         qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # (N, H, T, D), not contiguous
         for options in SPLITS:
@@ -228,7 +215,7 @@ def test_attend_triton_equals_sdpa(interpret, triton_backend, monkeypatch, dtype
 
     calls = _spy(monkeypatch)
     N, hkv, G, D = 3, 2, 3, 32
-    for device in _devices():
+    for device in kernel_devices():
         kv, state = _cache(N, hkv, G, D, 96, dtype, device, [0, 13, 50])
         ctx = DraftContext(state.lengths, kv, None)
         g = torch.Generator().manual_seed(5)
@@ -257,7 +244,7 @@ def test_sdpa_backend_is_plain_sdpa(interpret, monkeypatch):
     old = attention_backend()
     set_attention_backend("sdpa")
     try:
-        for device in dict.fromkeys(["cpu", *_devices()]):  # the CPU even without the interpreter
+        for device in dict.fromkeys(["cpu", *kernel_devices()]):  # the CPU even without the interpreter
             kv, state = _cache(N, hkv, G, D, 96, torch.float32, device, [0, 13, 50])
             ctx = DraftContext(state.lengths, kv, None)
             for T, kv_len in ((1, 64), (5, 64), (16, 96), (17, 96)):
@@ -280,7 +267,7 @@ def test_attend_triton_falls_back_to_sdpa(interpret, triton_backend, monkeypatch
 
     calls = _spy(monkeypatch)
     N, hkv, G, D = 2, 1, 2, 16
-    for device in _devices():
+    for device in kernel_devices():
         kv, state = _cache(N, hkv, G, D, 64, torch.float32, device, [0, 7])
         ctx = DraftContext(state.lengths, kv, None)
         q17 = torch.randn(N, hkv * G, 17, D, device=device)
@@ -322,7 +309,7 @@ def test_spec_decode_with_triton_attention_equals_greedy(interpret, hf_targets, 
     hf, folder = hf_targets["qwen3"]
     target = TargetModel(hf, target_layer_ids=[0, 1])
     ref = greedy_generate(target, prompts, 12)
-    for device in _devices():
+    for device in kernel_devices():
         model = load_model(folder, device=device, target_layer_ids=[0, 1])
         drafter = RuntimeDrafter(nontrivial_dflash2(spec_drafter(target, 4, v2=True, seed=2)).to(device), model)
         old = attention_backend()

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import nontrivial_dflash2, spec_drafter
+from kernel_devices import kernel_devices
 
 from dflash2.decoding import SamplingParams
 from dflash2.drafter import DFlashDrafter
@@ -35,20 +36,6 @@ from dflash2.runtime.kernels.norm import add_rms_norm_fp32w, add_rms_norm_fp32w_
 from dflash2.runtime.kernels.selector import selector_walk, selector_walk_ref
 
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-@pytest.fixture
-def interpret():
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        yield  # a GPU machine: the CPU half of each test is skipped below, the GPU half runs for real
-        return
-    with kernels.on_cpu():
-        yield
-
-
-def _devices():
-    cpu = ["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []
-    return cpu + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def _assert_close(a, b, dtype, device):
@@ -65,7 +52,7 @@ def _assert_close(a, b, dtype, device):
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("D", [37, 768])
 def test_add_rms_norm_fp32w(interpret, dtype, residual, D):
-    for device in _devices():
+    for device in kernel_devices():
         g = torch.Generator().manual_seed(0)
         x = torch.randn(3, 5, D, generator=g).to(device, dtype)
         r = torch.randn(3, 5, D, generator=g).to(device, dtype) if residual else None
@@ -100,7 +87,7 @@ def test_draft_qk_rope_write(interpret, dtype, variant):
     layers (no q, L slots); odd sizes: 3 query heads, hd 24 (a masked block of 32), 5 tokens."""
     N, T, Hkv, hd, S, Lc = 2, 5, 2, 24, 11, 3
     H, L = (3, 1) if variant == "draft_step" else (0, Lc)
-    for device in _devices():
+    for device in kernel_devices():
         qkv, norm32, cos, sin, positions = _rope_case(device, dtype, N, T, H, L, Hkv, hd, S, seed=2)
         caches = torch.full((2, Lc, N, Hkv, S, hd), float("nan"), dtype=dtype, device=device)  # poison
         ref = caches.clone()
@@ -139,7 +126,7 @@ def test_local_conv(interpret, dtype, B, K, G, gs):
     tile) and 1280 in groups of 16 (two tiles of 1024 per token, the second masked); K = 2 (the released
     setting) and 3; an fp32 base with a bf16 x (cast as the twin casts it); exact zeros of both signs."""
     d = G * gs
-    for device in _devices():
+    for device in kernel_devices():
         g = torch.Generator().manual_seed(B + K)
         for T in (B, B - 1, 1):
             x = torch.randn(3, T, d, generator=g).to(device, dtype)
@@ -195,7 +182,7 @@ def test_selector_walk(interpret, dtype):
     a near-tie of scores could go either way (see the kernel's docstring); these seeds have none, so the
     tokens are compared exactly (bf16 too, even with the interpreter's truncating cast)."""
     N, P, k, V, r = 3, 6, 5, 40, 24
-    for device in _devices():
+    for device in kernel_devices():
         g = torch.Generator().manual_seed(4)
         pcb, scb = (torch.randn(V, r, generator=g).to(device, dtype) for _ in range(2))
         hh = torch.randn(N, P, r, generator=g).to(device, dtype)

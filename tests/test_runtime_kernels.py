@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_devices import kernel_devices
 
 from dflash2.runtime import kernels, load_model
 from dflash2.runtime.kernels import gated_norm
@@ -26,20 +27,6 @@ from dflash2.runtime.kernels.rope import qk_norm_rope_write, qk_norm_rope_write_
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=0.02, atol=0.07)}
 
 
-@pytest.fixture
-def interpret():
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        yield  # a GPU machine: the CPU half of each test is skipped below, the GPU half runs for real
-        return
-    with kernels.on_cpu():
-        yield
-
-
-def _devices():
-    cpu = ["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []
-    return cpu + (["cuda"] if torch.cuda.is_available() else [])
-
-
 def _assert_close(a, b, dtype, device):
     tol = TOL[dtype] if device == "cpu" or dtype == torch.float32 else dict(rtol=0.008, atol=0.008)  # one bf16 ulp
     torch.testing.assert_close(a.float(), b.float(), **tol)
@@ -49,7 +36,7 @@ def _assert_close(a, b, dtype, device):
 @pytest.mark.parametrize("offset", [False, True])
 @pytest.mark.parametrize("residual", [False, True])
 def test_add_rms_norm(interpret, dtype, offset, residual):
-    for device in _devices():
+    for device in kernel_devices():
         g = torch.Generator().manual_seed(0)
         x = torch.randn(3, 5, 40, generator=g).to(device, dtype)
         r = torch.randn(3, 5, 40, generator=g).to(device, dtype) if residual else None
@@ -62,7 +49,7 @@ def test_add_rms_norm(interpret, dtype, offset, residual):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul(interpret, dtype):
-    for device in _devices():
+    for device in kernel_devices():
         gu = torch.randn(2, 3, 2 * 1500, generator=torch.Generator().manual_seed(1)).to(device, dtype)
         _assert_close(silu_mul(gu), silu_mul_ref(gu), dtype, device)
 
@@ -74,7 +61,7 @@ def test_gated_rms_norm(interpret, dtype, shape):
     per row; z a column slice of a wider projection (not contiguous), as in the GDN layer. Rounded at the
     twin's three points (tolerances: the module docstring)."""
     *lead, G, D = shape
-    for device in _devices():
+    for device in kernel_devices():
         g = torch.Generator().manual_seed(4)
         x = torch.randn(*shape, generator=g).to(device, dtype)
         proj = torch.randn(*lead, 3 + G * D + 5, generator=g).to(device, dtype)
@@ -107,7 +94,7 @@ def test_qk_norm_rope_write(interpret, dtype, variant):
     N, T, H, Hkv, D, S = 2, 3, 4, 2, 16, 20
     R = D // 4 if gated else D
     W = H * D * (2 if gated else 1) + 2 * Hkv * D
-    for device in _devices():
+    for device in kernel_devices():
         g = torch.Generator().manual_seed(2)
         qkv = torch.randn(N, T, W, generator=g).to(device, dtype)
         qw = torch.randn(D, generator=g).to(device, dtype) if norm else None
@@ -134,7 +121,7 @@ def test_qk_norm_rope_write(interpret, dtype, variant):
 def test_model_forward_with_kernels_equals_twins(interpret, hf_targets, device):
     """A whole forward (prefill + a verify block) of every family with every kernel on (decode attention
     too: the default backend, for both blocks of ≤ 16 tokens) == twins and SDPA only."""
-    if device not in _devices():
+    if device not in kernel_devices():
         pytest.skip(f"no {device} kernels here")
     for kind in ("qwen3", "llama", "qwen3_5"):
         model = load_model(hf_targets[kind][1], device=device, target_layer_ids=[0, 1])
