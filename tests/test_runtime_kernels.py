@@ -138,8 +138,22 @@ def test_model_forward_with_kernels_equals_twins(interpret, hf_targets, device):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture
+def gated_norm_twin_calls(monkeypatch):
+    """A list that grows by one at every call of the GDN output norm's twin (the kernel path never calls it)."""
+    calls = []
+    real_ref = gated_norm.gated_rms_norm_ref
+
+    def spy(*args):
+        calls.append(1)
+        return real_ref(*args)
+
+    monkeypatch.setattr(gated_norm, "gated_rms_norm_ref", spy)
+    return calls
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_hybrid_gdn_output_norm_kernel(interpret, hf_targets, monkeypatch, dtype):
+def test_hybrid_gdn_output_norm_kernel(interpret, hf_targets, monkeypatch, gated_norm_twin_calls, dtype):
     """The hybrid's forward (prefill + a verify block) with the GDN output norm's kernel == with its twin.
 
     Only that kernel changes between the two runs (the other kernels stay on), and a spy checks the GDN
@@ -151,14 +165,7 @@ def test_hybrid_gdn_output_norm_kernel(interpret, hf_targets, monkeypatch, dtype
     0.02 on average."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the CPU half runs under the interpreter; the GPU half is the whole-model test")
-    calls = []
-    real_ref = gated_norm.gated_rms_norm_ref
-
-    def spy(*args):
-        calls.append(1)
-        return real_ref(*args)
-
-    monkeypatch.setattr(gated_norm, "gated_rms_norm_ref", spy)
+    calls = gated_norm_twin_calls
     model = load_model(hf_targets["qwen3_5"][1], dtype=dtype, target_layer_ids=[0, 1])
     n_gdn = sum(layer.kind == "linear_attention" for layer in model.layers)
     assert n_gdn > 0
@@ -180,7 +187,7 @@ def test_hybrid_gdn_output_norm_kernel(interpret, hf_targets, monkeypatch, dtype
         torch.testing.assert_close(a, b, **tol)
 
 
-def test_hybrid_greedy_with_the_gdn_output_norm_kernel_equals_hf(hf_targets, monkeypatch):
+def test_hybrid_greedy_with_the_gdn_output_norm_kernel_equals_hf(hf_targets, monkeypatch, gated_norm_twin_calls):
     """fp32 greedy AR decoding of the hybrid, its GDN output norms through the kernel (interpreter; the other
     kernels stay twins), emits HF's greedy tokens, ragged batch included."""
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -189,14 +196,7 @@ def test_hybrid_greedy_with_the_gdn_output_norm_kernel_equals_hf(hf_targets, mon
     from dflash2.runtime.engine import generate_ar
     from dflash2.target import TargetModel
 
-    calls = []
-    real_ref = gated_norm.gated_rms_norm_ref
-
-    def spy(*args):
-        calls.append(1)
-        return real_ref(*args)
-
-    monkeypatch.setattr(gated_norm, "gated_rms_norm_ref", spy)
+    calls = gated_norm_twin_calls
     monkeypatch.setattr(gated_norm, "use_triton", lambda t: kernels.enabled())
     hf, folder = hf_targets["qwen3_5"]
     g = torch.Generator().manual_seed(7)
