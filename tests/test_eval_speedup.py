@@ -87,6 +87,7 @@ def test_trained_pair_command_writes_results_and_is_lossless(pair_dirs, tmp_path
         "max_new_tokens=12",
         "hf_new_tokens=4",
         "gdn_modes=reference",  # one mode, given as a plain value; the Triton modes: test_eval_speedup_gdn.py
+        "prompts_per_document=2",  # reaches the prompt loader (held-out sets only; a file takes it and ignores it)
         f"paths.output_dir={out}",
     )
     res = json.loads((out / "results.json").read_text())

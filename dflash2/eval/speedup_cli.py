@@ -53,6 +53,7 @@ def build_pair(cfg):
         prompts=cfg.prompts,
         num_prompts=max(batch, int(cfg.num_prompts)),
         prompt_tokens=int(cfg.prompt_tokens),
+        prompts_per_document=int(cfg.prompts_per_document),
     )
 
 

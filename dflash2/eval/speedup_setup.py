@@ -151,8 +151,22 @@ def random_pair(
     return Pair(hf, probe, RuntimeDrafter(drafter, probe), prompts, f"random weights, shape={shape}", True)
 
 
-def trained_pair(target_dir: str, drafter_dir: str, *, dtype, device, prompts, num_prompts: int, prompt_tokens: int):
-    """A trained drafter and its target from folders; prompts through the target's tokenizer."""
+def trained_pair(
+    target_dir: str,
+    drafter_dir: str,
+    *,
+    dtype,
+    device,
+    prompts,
+    num_prompts: int,
+    prompt_tokens: int,
+    prompts_per_document: int = 1,
+):
+    """A trained drafter and its target from folders; prompts through the target's tokenizer.
+
+    prompts_per_document: held-out prefixes cut from each held-out document (a small held-out
+    split has fewer documents than the prompts asked for).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash2.drafter.io import load_drafter
@@ -165,7 +179,13 @@ def trained_pair(target_dir: str, drafter_dir: str, *, dtype, device, prompts, n
     )
     hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).to(device).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    ids = load_prompts(str(prompts), tokenizer, num_prompts=num_prompts, prompt_tokens=prompt_tokens)
+    ids = load_prompts(
+        str(prompts),
+        tokenizer,
+        num_prompts=num_prompts,
+        prompt_tokens=prompt_tokens,
+        prompts_per_document=prompts_per_document,
+    )
     ids = [list(map(int, p.ids)) for p in ids]
     label = f"trained pair: target {target_dir}, drafter {drafter_dir}"
     return Pair(hf, target, RuntimeDrafter(drafter, target), ids, label, False, tokenizer.eos_token_id)
