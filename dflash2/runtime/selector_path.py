@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from dflash2.runtime.kernels import use_triton
 from dflash2.runtime.kernels.selector import selector_walk
+from dflash2.runtime.kernels.topk import topk_rows
 from dflash2.runtime.sampling import Proposal, sample
 
 
@@ -65,11 +66,22 @@ class SelectorWalk:
         return self.cand_ids.gather(-1, torch.stack(choices, dim=1)[..., None])[..., 0]
 
 
+def block_candidates(selector, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``selector.candidates(logits)``: cand_ids (N, P, k) long and unary (N, P, k) fp32 from logits (N, P, V).
+    Where the kernels run, the top-k is the two-stage kernel (kernels/topk.py: ``torch.topk`` on a few
+    vocabulary-long rows costs more than the drafter's GEMMs); it lists equal logits by index, where
+    ``torch.topk``'s order is unspecified, so an exact tie may draft the other candidate."""
+    if use_triton(logits):
+        raw, cand_ids = topk_rows(logits, selector.top_k)
+        return cand_ids, selector.unary(raw)
+    return selector.candidates(logits)
+
+
 @torch.no_grad()
 def selector_greedy_path(selector, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
     """``selector.greedy_path(hidden, logits, anchor)``: tokens (N, P) long. Bit for bit on the CPU; on CUDA
     (kernels on) the walk is one Triton launch after one GEMM of all positions' hidden projections."""
-    return greedy_walk(selector, hidden, *selector.candidates(logits), anchor)
+    return greedy_walk(selector, hidden, *block_candidates(selector, logits), anchor)
 
 
 def greedy_walk(selector, hidden, cand_ids, unary, anchor) -> torch.Tensor:
@@ -94,7 +106,7 @@ def selector_sample_sparse(selector, hidden, logits, anchor, temperature: float,
     ``CandidateSelector.sample_path`` (position by position from softmax(edge scores / T) given the
     sampled predecessor), whose dense q is this proposal's ``densify``.
     """
-    walk = SelectorWalk(selector, hidden, *selector.candidates(logits), anchor)
+    walk = SelectorWalk(selector, hidden, *block_candidates(selector, logits), anchor)
     choices, probs = [], []
     for pos in range(walk.positions):
         prob = F.softmax(walk.scores(pos) / temperature, dim=-1)  # (N, k)

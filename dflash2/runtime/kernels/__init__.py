@@ -17,6 +17,8 @@ These kernels fold each such group into one launch:
   add, padded shifted products, their sum), one program per token and channel tile (twin: draft_math's ops);
 * :func:`~dflash2.runtime.kernels.selector.selector_walk`: the DFlash2 selector's greedy walk over a
   block, one program per row (twin: the walk's eager ops);
+* :func:`~dflash2.runtime.kernels.topk.topk_rows`: the selector's k candidates per drafted position,
+  the top-k of a few vocabulary-long rows in two launches, chunks first (twin: a stable sort);
 * :func:`~dflash2.runtime.kernels.accept.greedy_accept`: the T=0 accept phase's bookkeeping after the
   verify's argmax (accepted prefix, bonus, EOS / budget cut, output write, counters), one program per
   row, in place on the decode slot's buffers (twin: the same in a dozen-odd tensor ops; integer, exact);
