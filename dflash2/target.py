@@ -69,6 +69,13 @@ def default_target_layer_ids(num_layers: int, num_taps: int = 5) -> list[int]:
     return list(dict.fromkeys(round(p) for p in points))  # dedupe, keep order
 
 
+def tap_settings(group: Any) -> dict:
+    """The tap arguments of :class:`TargetModel` from a ``target`` config group (a mapping):
+    ``target_layer_ids`` (None = the §2 rule) and ``num_taps`` (default 5)."""
+    ids = group.get("target_layer_ids")
+    return {"target_layer_ids": list(ids) if ids is not None else None, "num_taps": int(group.get("num_taps", 5))}
+
+
 def validate_target_layer_ids(ids: Any, num_layers: int) -> list[int]:
     """Check user-given tap ids: a non-empty list of distinct ints in [0, num_layers-1]; returns them as ``list[int]``.
 

@@ -199,7 +199,12 @@ def test_eval_acceptance_config_composes_with_its_prompt_options(tmp_path):
 
 @pytest.mark.parametrize(
     "overrides",
-    [[], ["shape=qwen3_8b", "batch_sizes=[1]"], ["target=T", "drafter=D", "runs=5", "gdn_modes=[reference,replay]"]],
+    [
+        [],
+        ["shape=qwen3_8b", "batch_sizes=[1]"],
+        ["shape=small_hybrid"],
+        ["target=T", "drafter=D", "runs=5", "gdn_modes=[reference,replay]"],
+    ],
 )
 def test_eval_speedup_config_composes(overrides, tmp_path):
     """configs/eval_speedup.yaml composes (through the ConfigStore, as `python -m eval.speedup` loads it)."""
@@ -218,7 +223,9 @@ def test_eval_speedup_config_composes(overrides, tmp_path):
     assert list(cfg.batch_sizes) in ([1, 8], [1]) and cfg.dtype == "bfloat16" and cfg.max_new_tokens > 0
     assert cfg.paths.output_dir == str(tmp_path)
     if overrides:
-        assert cfg.shape == "qwen3_8b" or (cfg.target, cfg.drafter, cfg.runs) == ("T", "D", 5)
+        assert cfg.shape in ("qwen3_8b", "small_hybrid") or (cfg.target, cfg.drafter, cfg.runs) == ("T", "D", 5)
+    # null: the shape's own drafter block size and depth (dflash2.eval.speedup_setup.shape_drafter_config)
+    assert cfg.block_size is None and cfg.drafter_layers is None
     # hybrid targets: ReplaySSM (headline) and native rollback by default, every name one GDNState knows
     expected = ["reference", "replay"] if "gdn_modes=[reference,replay]" in overrides else ["replay", "native"]
     assert list(cfg.gdn_modes) == expected and set(expected) <= set(GDN_MODE_CHOICES)

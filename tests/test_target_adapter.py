@@ -12,7 +12,7 @@ import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
 
 from dflash2.errors import DFlash2Error
-from dflash2.target import TargetModel, default_target_layer_ids, validate_target_layer_ids
+from dflash2.target import TargetModel, default_target_layer_ids, tap_settings, validate_target_layer_ids
 
 VOCAB = 256
 COMMON = dict(
@@ -90,6 +90,12 @@ def test_validate_target_layer_ids_errors_name_the_valid_range():
     for bad in ([0, 4], [-1], [], [1, 1], [1.5], "1,2", 2):
         with pytest.raises(DFlash2Error, match=r"0\.\.3"):
             validate_target_layer_ids(bad, 4)
+
+
+def test_tap_settings_of_a_target_group():
+    """What training passes to TargetModel from its ``target`` group: null ids = the §2 rule over num_taps."""
+    assert tap_settings({"target_layer_ids": None, "num_taps": 3}) == {"target_layer_ids": None, "num_taps": 3}
+    assert tap_settings({"target_layer_ids": (0, 2)}) == {"target_layer_ids": [0, 2], "num_taps": 5}
 
 
 # ------------------------------------------------------------ taps + logits

@@ -37,8 +37,8 @@ def build_pair(cfg):
             str(cfg.shape),
             dtype=dtype,
             device=device,
-            block_size=int(cfg.block_size),
-            drafter_layers=int(cfg.drafter_layers),
+            block_size=_optional_int(cfg.block_size),  # null: the shape's own (speedup_setup.shape_drafter_config)
+            drafter_layers=_optional_int(cfg.drafter_layers),
             batch=batch,
             prompt_tokens=int(cfg.prompt_tokens),
             seed=int(cfg.seed),
@@ -141,3 +141,7 @@ def sampling_settings(cfg) -> dict:
     if t < 0 or k < 0 or not 0 < p <= 1:
         raise DFlash2Error(f"temperature={t} top_k={k} top_p={p}: need temperature ≥ 0, top_k ≥ 0, 0 < top_p ≤ 1")
     return {"temperature": t, "top_k": k, "top_p": p}
+
+
+def _optional_int(value) -> int | None:
+    return None if value is None else int(value)

@@ -4,11 +4,14 @@ Two sources:
 
 * a trained pair: the target's HF folder and a drafter folder (``load_drafter``), prompts from
   ``dflash2.eval.prompts`` (held-out text, tokenized by the target's tokenizer);
-* random weights at a named full-size shape (:data:`SHAPES`): the HF model is built with its own
-  random init on the device, the runtime target shares its weights, and a random DFlash2 drafter
-  of the same width drafts for it; prompts are random token ids. Step times of a dense model do
-  not depend on weight values, so these give honest step times; τ of random weights is ≈ 1 and
-  means nothing, so speedups at these shapes are *predicted* from a given τ.
+* random weights at a named shape (:data:`SHAPES`): the HF model is built with its own random init
+  on the device, the runtime target shares its weights, and a random DFlash2 drafter of the same
+  width drafts for it; prompts are random token ids. Step times of a dense model do not depend on
+  weight values, so these give honest step times; τ of random weights is ≈ 1 and means nothing, so
+  speedups at these shapes are *predicted* from a given τ. A full-size shape gets the generic
+  drafter of :func:`generic_drafter_config` (:data:`GENERIC_BLOCK_SIZE`, :data:`GENERIC_DRAFTER_LAYERS`
+  unless given); a shape naming a training ``experiment`` is that experiment's target and drafter,
+  read from configs/ (``dflash2.eval.speedup_recipe``).
 
 Either way the result is a :class:`Pair`: the HF model (baseline (a)), the runtime target and
 the runtime drafter (sharing the target's embedding and LM head).
@@ -51,7 +54,17 @@ TINY = dict(
     tie_word_embeddings=False,
     initializer_range=0.1,
 )
-SHAPES = {"qwen3_8b": QWEN3_8B, "qwen3_5_9b": dict(model_type="qwen3_5_text"), "tiny": TINY}
+# HF config values (model_type picks the class), or the pair a training experiment trains (speedup_recipe.py)
+SHAPES = {
+    "qwen3_8b": QWEN3_8B,
+    "qwen3_5_9b": dict(model_type="qwen3_5_text"),
+    # target=small (12-layer Qwen3.5 hybrid, hidden 768) and its DFlash2 drafter (3 layers, block 8)
+    "small_hybrid": dict(experiment="drafter_small"),
+    "tiny": TINY,
+}
+# the generic drafter's block size and depth when the command line leaves them null (experiment shapes: its own)
+GENERIC_BLOCK_SIZE = 16
+GENERIC_DRAFTER_LAYERS = 5
 
 
 @dataclass
@@ -69,16 +82,26 @@ class Pair:
 
 
 def shape_config(name: str):
-    """The transformers config of a named shape (Qwen3.5-9B: ``Qwen3_5TextConfig()`` defaults)."""
+    """The transformers config of a named shape (Qwen3.5-9B: ``Qwen3_5TextConfig()`` defaults; an experiment's:
+    its target recipe's)."""
     import transformers
 
-    if name not in SHAPES:
-        raise DFlash2Error(f"shape={name!r} is not known; use one of {sorted(SHAPES)}")
-    values = dict(SHAPES[name])
+    values = dict(shape_values(name))
+    if "experiment" in values:
+        from dflash2.eval.speedup_recipe import experiment_config, recipe_target_config
+
+        return recipe_target_config(experiment_config(values["experiment"]))
     kind = values.pop("model_type")
     if kind == "qwen3_5_text":
         return transformers.Qwen3_5TextConfig(**values)
     return transformers.Qwen3Config(**values)
+
+
+def shape_values(name: str) -> dict:
+    """:data:`SHAPES`' entry of ``name``; an unknown name is a one-line error listing the known ones."""
+    if name not in SHAPES:
+        raise DFlash2Error(f"shape={name!r} is not known; use one of {sorted(SHAPES)}")
+    return SHAPES[name]
 
 
 def spread_taps(num_layers: int, k: int) -> list[int]:
@@ -89,14 +112,15 @@ def spread_taps(num_layers: int, k: int) -> list[int]:
     return sorted({round(1 + i * (hi - 1) / (k - 1)) for i in range(k)})
 
 
-def random_drafter(target, *, block_size: int, num_layers: int, seed: int):
-    """A random DFlash2 drafter (local conv + selector, released settings) at the target's width."""
-    from dflash2.drafter import DFlashDrafter, DrafterConfig
+def generic_drafter_config(target, *, block_size: int, num_layers: int):
+    """A DFlash2 drafter's config (local conv + selector, released settings) at the runtime target's width,
+    with its attention heads and k = 5 taps spread by :func:`spread_taps`."""
+    from dflash2.drafter import DrafterConfig
     from dflash2.text_model import rope_theta
 
     cfg = target.config
     k = min(5, target.num_layers)
-    config = DrafterConfig(
+    return DrafterConfig(
         hidden_size=target.hidden_size,
         intermediate_size=int(cfg.intermediate_size),
         num_hidden_layers=num_layers,
@@ -116,11 +140,33 @@ def random_drafter(target, *, block_size: int, num_layers: int, seed: int):
         selector_rank=min(256, target.hidden_size),
         selector_top_k=16,
     )
+
+
+def random_drafter(config, weight: torch.Tensor, *, seed: int):
+    """A DFlash2 drafter of ``config`` with random weights from ``seed``, on the device and in the dtype of
+    ``weight`` (the target's embedding), in eval mode."""
+    from dflash2.drafter import DFlashDrafter
+
     torch.manual_seed(seed)
-    weight = target.embed.weight
     with torch.device(weight.device):
         drafter = DFlashDrafter(config)
     return drafter.to(weight.dtype).eval()
+
+
+def shape_drafter_config(shape: str, hf, target, *, block_size: int | None, drafter_layers: int | None):
+    """The drafter's config at ``shape`` for its HF model ``hf`` and runtime target ``target``; block size and
+    depth None = the shape's own (an experiment's drafter group, else the generic defaults)."""
+    experiment = shape_values(shape).get("experiment")
+    if experiment:
+        from dflash2.eval.speedup_recipe import experiment_config, recipe_drafter_config
+
+        cfg = experiment_config(experiment, block_size=block_size, drafter_layers=drafter_layers)
+        return recipe_drafter_config(cfg, hf)
+    return generic_drafter_config(
+        target,
+        block_size=GENERIC_BLOCK_SIZE if block_size is None else block_size,
+        num_layers=GENERIC_DRAFTER_LAYERS if drafter_layers is None else drafter_layers,
+    )
 
 
 def random_model(shape: str, *, dtype, device, seed: int):
@@ -136,19 +182,36 @@ def random_model(shape: str, *, dtype, device, seed: int):
 
 
 def random_pair(
-    shape: str, *, dtype, device, block_size: int, drafter_layers: int, batch: int, prompt_tokens: int, seed: int
+    shape: str,
+    *,
+    dtype,
+    device,
+    block_size: int | None = None,
+    drafter_layers: int | None = None,
+    batch: int,
+    prompt_tokens: int,
+    seed: int,
 ):
-    """HF model with its own random init at ``shape``, the runtime target over its weights, a random drafter."""
+    """HF model with its own random init at ``shape``, the runtime target over its weights, a random drafter
+    (block size and depth None = the shape's own: :func:`shape_drafter_config`)."""
     from dflash2.runtime import RuntimeDrafter
     from dflash2.runtime.models import from_hf_model
 
     hf = random_model(shape, dtype=dtype, device=device, seed=seed)
     probe = from_hf_model(hf)  # to size the drafter; the taps are set once its layers are known
-    drafter = random_drafter(probe, block_size=block_size, num_layers=drafter_layers, seed=seed + 1)
-    probe.set_taps(drafter.config.target_layer_ids)
+    config = shape_drafter_config(shape, hf, probe, block_size=block_size, drafter_layers=drafter_layers)
+    drafter = random_drafter(config, probe.embed.weight, seed=seed + 1)
+    probe.set_taps(config.target_layer_ids)
     g = torch.Generator().manual_seed(seed + 2)
-    prompts = torch.randint(0, hf.config.vocab_size - 1, (batch, prompt_tokens), generator=g).tolist()
-    return Pair(hf, probe, RuntimeDrafter(drafter, probe), prompts, f"random weights, shape={shape}", True)
+    c = drafter.config
+    ids = torch.randint(0, hf.config.vocab_size - 1, (batch, prompt_tokens), generator=g)
+    ids[ids >= c.mask_token_id] += 1  # never the mask id (the generic drafter's is the last id: nothing moves)
+    prompts = ids.tolist()
+    label = (
+        f"random weights, shape={shape} (drafter: {c.num_hidden_layers} layers, block {c.block_size}, "
+        f"taps {list(c.target_layer_ids)})"
+    )
+    return Pair(hf, probe, RuntimeDrafter(drafter, probe), prompts, label, True)
 
 
 def trained_pair(

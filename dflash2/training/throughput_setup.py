@@ -29,18 +29,10 @@ class Variant:
 def drafter_settings(option: str, overrides: dict) -> dict:
     """The ``drafter`` config group as ``python train.py drafter=<option>`` composes it, plus ``overrides``
     (``drafter.<key>=<value>``), as a plain dict."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
+    from dflash2.train_config import compose_train
     from dflash2.training.build_target import to_plain
-    from dflash2.training.cli import CONFIG_DIR
 
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-            cfg = compose("train", overrides=[f"drafter={option}", *(f"drafter.{k}={v}" for k, v in overrides.items())])
-    finally:
-        GlobalHydra.instance().clear()
+    cfg = compose_train([f"drafter={option}", *(f"drafter.{k}={v}" for k, v in overrides.items())])
     return to_plain(cfg.drafter)
 
 

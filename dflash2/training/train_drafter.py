@@ -29,7 +29,7 @@ from dflash2.drafter.objective import anchor_generator, block_metrics, expected_
 from dflash2.errors import DFlash2Error
 from dflash2.eval.heldout_tau import measure_heldout_tau
 from dflash2.oom import REGENERATION_KNOBS, TRAINING_KNOBS, explain_oom, knob_hints
-from dflash2.target import TargetModel
+from dflash2.target import TargetModel, tap_settings
 from dflash2.target_dtype import resolve_target_dtype
 from dflash2.training.build_target import to_plain as plain
 from dflash2.training.drafter_data import DrafterDataModule, check_pin_memory, collate_sequences
@@ -71,11 +71,9 @@ def training_oom_hints(cfg: DictConfig, loss_chunk: int) -> tuple[list[str], str
 def load_target(cfg: DictConfig, target_dir) -> TargetModel:
     """The frozen target in ``target.dtype`` (auto: bf16 when the run uses a GPU, else fp32), loaded on the CPU;
     regeneration and training move it to their device."""
-    ids = cfg.target.get("target_layer_ids")
     return TargetModel.from_pretrained(
         str(target_dir),
-        target_layer_ids=list(ids) if ids is not None else None,
-        num_taps=int(cfg.target.get("num_taps", 5)),
+        **tap_settings(cfg.target),
         dtype=resolve_target_dtype(cfg.target.get("dtype", "auto"), regeneration_device(cfg)),
     )
 
