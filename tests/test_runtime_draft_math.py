@@ -21,7 +21,7 @@ from dflash2.drafter.local_conv import BlockLocalConv
 from dflash2.drafter.model import RMSNorm, apply_rope, rope_cos_sin
 from dflash2.drafter.selector import CandidateSelector
 from dflash2.runtime import load_model
-from dflash2.runtime.draft_math import conv_kernels, conv_side, rms_norm, rope_tables, rotate
+from dflash2.runtime.draft_math import conv_kernels, conv_side, rms_norm, rope_rows, rope_tables, rotate
 from dflash2.runtime.draft_weights import ConvWeights
 from dflash2.runtime.drafter import RuntimeDrafter
 from dflash2.runtime.selector_path import selector_greedy_path
@@ -66,6 +66,20 @@ def test_rope_as_a_roll_is_apply_rope(dtype):
     assert _bits_equal(cos[:, :, 0], ref_cos[:, 0])
     ref = apply_rope(x.transpose(1, 2), ref_cos, ref_sin)  # (N, h, T, hd)
     assert _bits_equal(rotate(x, cos, sin), ref.transpose(1, 2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_rows_gathered_are_the_tables_computed(dtype):
+    """A drafter context's rows of every position (rope_rows), indexed by a step's positions, equal
+    rope_tables at those positions bit for bit."""
+    hd = 32
+    inv = 1e6 ** (-torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+    freqs, sign = torch.cat([inv, inv]), torch.cat([-torch.ones(hd // 2), torch.ones(hd // 2)])
+    cos_rows, sin_rows = rope_rows(4100, freqs, sign, dtype)
+    assert cos_rows.shape == sin_rows.shape == (4100, 1, hd)
+    positions = torch.randint(0, 4000, (3, 1), generator=torch.Generator().manual_seed(4)) + torch.arange(8)
+    cos, sin = rope_tables(positions, freqs, sign, dtype)
+    assert _bits_equal(cos_rows[positions], cos) and _bits_equal(sin_rows[positions], sin)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

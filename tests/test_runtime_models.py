@@ -208,3 +208,22 @@ def test_unknown_checkpoint_key_fails_loudly(hf_targets, tmp_path):
     save_file(weights, path)
     with pytest.raises(KeyError, match=r"unexpected \['model.layers.0.self_attn.extra.weight'\]"):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_states_rope_rows_are_the_computed_ones_bit_for_bit(hf_targets, kind):
+    """new_state's RoPE rows (Rotary.table, gathered by every step) equal Rotary's per-step computation at
+    any positions, in fp32 and bf16: the llama3 scaling, Qwen3.5's partial rotary and plain RoPE alike."""
+    model = load_model(hf_targets[kind][1])
+    positions = torch.tensor([[0, 1, 2, 3], [61, 62, 63, 5], [17, 40, 9, 33]])
+    for dtype in (torch.float32, torch.bfloat16):
+        table = model.rotary.table(64, dtype, "cpu")
+        assert table[0].shape == (64, model.rotary.inv_freq.numel() * 2) and table[0].dtype == dtype
+        got = model.rotary(positions, dtype, table)
+        want = model.rotary(positions, dtype)
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape == (3, 1, 4, table[0].shape[1])
+            bits = torch.int16 if dtype == torch.bfloat16 else torch.int32  # signed zeros count too
+            assert torch.equal(g.contiguous().view(bits), w.contiguous().view(bits))
+    state = model.new_state(2, 48)
+    assert state.rope[0].shape[0] == 48 and state.rope[0].dtype == model.embed.weight.dtype

@@ -191,14 +191,25 @@ class DecodeState:
     lengths: (N,) long on the device, committed tokens per row.
     kv:      KVCache of the attention layers, or None (no attention layer).
     gdn:     GDNState of the Gated DeltaNet layers, or None (attention-only targets).
+    rope:    the model's RoPE rows for positions 0..S_max-1, cos and sin (S_max, R) (``Rotary.table``),
+             or None (computed per step); kept here so that graphs captured on this state read them.
 
     Use: ``meta = state.step_meta(T)``, run the forward (the model calls this itself),
     then ``state.commit(n)``; ``state.flush()`` before reading GDN states outside a forward.
     Built by a model's ``new_state(batch_size, max_len)``.
     """
 
-    def __init__(self, lengths: torch.Tensor, kv: KVCache | None, gdn: GDNState | None):
-        self.lengths, self.kv, self.gdn = lengths, kv, gdn
+    def __init__(
+        self,
+        lengths: torch.Tensor,
+        kv: KVCache | None,
+        gdn: GDNState | None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
+        self.lengths, self.kv, self.gdn, self.rope = lengths, kv, gdn, rope
+        max_len = kv.max_len if kv is not None else None
+        # made once: a step's positions are then one add (an arange per step is one more launch)
+        self._offsets = None if max_len is None else torch.arange(max_len, device=lengths.device)
 
     @property
     def batch_size(self) -> int:
@@ -212,7 +223,8 @@ class DecodeState:
         reads only that much of the cache; keys at positions ≥ kv_len must never be needed.
         """
         device = self.lengths.device
-        positions = self.lengths[:, None] + torch.arange(T, device=device)  # (N, T)
+        offsets = self._offsets[:T] if self._offsets is not None else torch.arange(T, device=device)
+        positions = self.lengths[:, None] + offsets  # (N, T)
         if self.kv is None:
             return StepMeta(positions, None, None, 0)
         kv_len = self.kv.max_len if kv_len is None else kv_len

@@ -14,8 +14,9 @@ constant parts prepared once (:mod:`dflash2.runtime.draft_weights`) and the rest
 * :func:`rms_norm`: ``RMSNorm.forward`` with the fp32 weight made once (one cast fewer per call);
   rows of several heads or layers normalised in one call with a weight per row (stacked weights);
 * :func:`rope_tables` / :func:`rotate`: RoPE as ``x·cos + roll(x)·sin±``, with the sign of
-  rotate_half folded into the sin table once per step (negation is exact, and (−a)·b = a·(−b)),
-  so q and k of a layer (or K of every layer) rotate in four ops;
+  rotate_half folded into the sin table (negation is exact, and (−a)·b = a·(−b)), so q and k of
+  a layer (or K of every layer) rotate in four ops; :func:`rope_rows` makes the tables of every
+  position once, which a step indexes;
 * :func:`conv_kernels` / :func:`conv_side`: the per-position kernels of both sides and all taps in
   one add (the group delta broadcast instead of repeated), and each side as one product over a
   strided window of the zero-padded input plus the sum of its taps (taps stored reversed, so
@@ -59,6 +60,14 @@ def rope_tables(positions: torch.Tensor, freqs: torch.Tensor, sign: torch.Tensor
     cos = angles.cos().to(dtype)
     signed_sin = product_as(angles.sin(), sign, dtype, in_place=True)
     return cos[:, :, None], signed_sin[:, :, None]
+
+
+def rope_rows(max_len: int, freqs: torch.Tensor, sign: torch.Tensor, dtype: torch.dtype):
+    """:func:`rope_tables` of positions 0..max_len-1, made once per drafter context: cos, sin± (max_len, 1, hd).
+    ``table[positions]`` is then :func:`rope_tables` (positions) bit for bit, in one gather per table
+    instead of about five element-wise launches (each row: the same ops on the same operands)."""
+    cos, sin = rope_tables(torch.arange(max_len, device=freqs.device)[None], freqs, sign, dtype)
+    return cos[0], sin[0]
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

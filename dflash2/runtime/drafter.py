@@ -53,7 +53,7 @@ from dflash2.drafter.io import load_drafter
 from dflash2.drafter.model import DFlashDrafter
 from dflash2.errors import DFlash2Error
 from dflash2.runtime.cache import KVCache, StepMeta
-from dflash2.runtime.draft_math import rope_tables
+from dflash2.runtime.draft_math import rope_rows, rope_tables
 from dflash2.runtime.draft_weights import DraftWeights
 from dflash2.runtime.kernels.draft_rope import draft_qk_rope_write
 from dflash2.runtime.kernels.local_conv import local_conv
@@ -68,10 +68,12 @@ class DraftContext:
     lengths: (N,) long on the device, context positions per row (= the target's committed length).
     kv:      KVCache (L_d, N, Hkv, S_max, hd) of context K/V (and, transiently, the block's).
     taps:    (N, B, K·d) where the target's verify forward writes its taps (``taps_out``).
+    rope:    cos, sin± (S_max, 1, hd) of every cache position (draft_math.rope_rows), or None (computed per
+             call); kept here so that graphs captured on this context read them.
     """
 
-    def __init__(self, lengths: torch.Tensor, kv: KVCache, taps: torch.Tensor):
-        self.lengths, self.kv, self.taps = lengths, kv, taps
+    def __init__(self, lengths: torch.Tensor, kv: KVCache, taps: torch.Tensor, rope=None):
+        self.lengths, self.kv, self.taps, self.rope = lengths, kv, taps, rope
         self._offsets = torch.arange(kv.max_len, device=lengths.device)  # made once: positions are one add
 
     def positions(self, T: int) -> torch.Tensor:
@@ -163,7 +165,14 @@ class RuntimeDrafter:
         tap_dtype = self.target.embed.weight.dtype  # written by the target's forward, in its dtype
         taps = torch.zeros(batch_size, self.block_size, w.shape[1], dtype=tap_dtype, device=w.device)
         lengths = torch.zeros(batch_size, dtype=torch.long, device=w.device)
-        return DraftContext(lengths, kv, taps)
+        rope = rope_rows(max_len, self.weights.rope_freqs, self.weights.rope_sign, self.dtype)
+        return DraftContext(lengths, kv, taps, rope)
+
+    def _rope(self, ctx: DraftContext, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, sin± (N, T, 1, hd) at positions (N, T): the context's rows, else computed (draft_math.rope_tables)."""
+        if ctx.rope is not None and ctx.rope[0].dtype == dtype:
+            return ctx.rope[0][positions], ctx.rope[1][positions]
+        return rope_tables(positions, self.weights.rope_freqs, self.weights.rope_sign, dtype)
 
     @torch.no_grad()
     def append(self, ctx: DraftContext, taps: torch.Tensor, n: torch.Tensor) -> None:
@@ -176,7 +185,7 @@ class RuntimeDrafter:
         T, w = taps.shape[1], self.weights
         c = add_rms_norm_fp32w(self.drafter.fc(taps.to(self.dtype)), None, w.hidden_norm, w.eps)[1]  # fuse_context
         positions = ctx.positions(T)
-        cos, sin = rope_tables(positions, w.rope_freqs, w.rope_sign, c.dtype)  # (N, T, 1, hd)
+        cos, sin = self._rope(ctx, positions, c.dtype)  # (N, T, 1, hd)
         kv = F.linear(c, w.context_kv)  # (N, T, 2·L·Hkv·hd): [K | V] of every layer
         # K normed and rotated, K and V written at positions, every layer in one call (no q: num_heads=0)
         draft_qk_rope_write(kv, w.context_k_norm, cos, sin, positions, ctx.kv.k, ctx.kv.v, num_heads=0, eps=w.eps)
@@ -237,7 +246,7 @@ class RuntimeDrafter:
         meta = ctx.meta(B, kv_len)
         sliding = self.drafter.sliding_layers
         window_meta = ctx.meta(B, kv_len, window=self.config.sliding_window) if any(sliding) else None
-        cos, sin = rope_tables(meta.positions, self.weights.rope_freqs, self.weights.rope_sign, h.dtype)
+        cos, sin = self._rope(ctx, meta.positions, h.dtype)
         out = None  # the residual stream is h + out: each add is done by the next norm's launch
         for i in range(len(self.drafter.layers)):
             h, out = self._layer(i, h, out, cos, sin, ctx.kv, window_meta if sliding[i] else meta)

@@ -98,7 +98,8 @@ class RuntimeCausalLM(nn.Module):
             mode = gdn_mode or self.gdn_mode
             gdn = GDNState(n_gdn, batch_size, dtype=weight.dtype, device=device, mode=mode, **self.gdn_dims)
         lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
-        return DecodeState(lengths, kv, gdn)
+        rope = self.rotary.table(max_len, weight.dtype, device) if n_attn else None  # only attention rotates
+        return DecodeState(lengths, kv, gdn, rope)
 
     # ------------------------------------------------------------------- taps
     def set_taps(self, target_layer_ids) -> None:

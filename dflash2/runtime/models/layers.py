@@ -157,11 +157,26 @@ class Rotary(nn.Module):
         self.inv_freq = self.inv_freq.to(probe.device)
         return super()._apply(fn, recurse)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (N, T) long -> cos, sin (N, 1, T, R) in ``dtype`` (rotate-half layout)."""
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype, table: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (N, T) long -> cos, sin (N, 1, T, R) in ``dtype`` (rotate-half layout).
+
+        table: :meth:`table`'s rows for positions 0..L-1 (positions must be < L): the rows are gathered
+        instead of computed, two launches instead of about eight (a decode step's whole RoPE cost)."""
+        if table is not None:
+            cos, sin = table
+            return cos[positions][:, None], sin[positions][:, None]
         freqs = positions[..., None].float() * self.inv_freq  # (N, T, R/2) fp32
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # (N, 1, T, R)
         return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+    def table(self, max_len: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (max_len, R) in ``dtype``: :meth:`forward` at positions 0..max_len-1, made once per decode
+        state. Each row is the same element-wise float ops on the same operands as a step's own
+        computation, so a gathered row equals the computed one bit for bit (tests/test_runtime_models.py)."""
+        cos, sin = self.forward(torch.arange(max_len, device=device)[None], dtype)
+        return cos[0, 0], sin[0, 0]
 
 
 # ----------------------------------------------------------------------------- attention

@@ -181,7 +181,7 @@ class Qwen3_5(RuntimeCausalLM):
         N, T = tokens.shape
         meta = state.step_meta(T, kv_len)
         h, delta = self.embed(tokens), None  # (N, T, d); a layer's output is h + delta
-        rope = self.rotary(meta.positions, h.dtype)  # cos, sin (N, 1, T, R)
+        rope = self.rotary(meta.positions, h.dtype, state.rope)  # cos, sin (N, 1, T, R)
         taps = self._tap_buffer(N, T, taps_out, h)
         for i, layer in enumerate(self.layers):
             h, delta = layer(h, delta, rope, state, self._slots[i], meta)
