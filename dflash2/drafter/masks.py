@@ -89,6 +89,34 @@ def block_mask_mod(
 _COMPILED: dict = {}  # name -> the torch.compile'd function, built once per process (see compiled())
 
 
+def compile_without_duck_sizing(fn, **compile_options):
+    """``torch.compile(fn, **compile_options)``, every call traced with duck sizing off.
+
+    Why: under ``dynamic=True`` torch.compile gives two input dims that happen to be equal on the first call
+    one symbol ("duck sizing"), assuming they always will be. Wherever one of them is then made static, the
+    other is too. flex_attention does that to its head dims (``torch._dynamo.mark_static(x, -3)`` on q, k and
+    v), so with 2 rows per batch and 2 kv heads the row count N was compiled as the constant 2 and the next
+    batch of 3 rows built another graph (guard "tensor 'key' size mismatch at index 0. expected 2, actual 3"):
+    another cold compile of the flex forward and backward kernels, for a last partial batch or another
+    per-device batch. Any chance equality of two batch dims (N and A, N and a tile count) would equally
+    recompile once they differ. With duck sizing off, each dim keeps its own symbol and only the dims torch
+    asks for are static. It is a trace-time setting (``torch.fx.experimental._config.use_duck_shape``,
+    the switch torch's own guard log names), read when a graph is traced: scoped to these calls, so other
+    compiles in the process keep torch's default. The kernels compute the same values either way."""
+    import functools
+
+    from torch.fx.experimental import _config as fx_config
+
+    compiled_fn = torch.compile(fn, **compile_options)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with fx_config.patch(use_duck_shape=False):
+            return compiled_fn(*args, **kwargs)
+
+    return call
+
+
 def compiled(name: str):
     """flex_attention / create_block_mask, ``torch.compile``d once per process with ``dynamic=True``.
 
@@ -96,9 +124,11 @@ def compiled(name: str):
     the key length L + S and the block mask's tile tables) changes from batch to batch. Compiled for static
     shapes, the first change makes torch.compile compile everything again with symbolic lengths
     (automatic dynamic shapes): two cold compiles of the mask builder and of the flex forward and backward
-    kernels instead of one. Compiled dynamic from the start, one graph serves every length
-    (tests/test_flex_compile.py); nothing is recompiled per step at fixed shapes either way (the mask_mod
-    is a new closure every step, but torch.compile guards a closure by its code, not its identity).
+    kernels instead of one. Compiled dynamic from the start, one graph serves every length, row count N and
+    anchor count (tests/test_flex_compile.py); nothing is recompiled per step at fixed shapes either way (the
+    mask_mod is a new closure every step, but torch.compile guards a closure by its code, not its identity).
+    Traced without duck sizing (``compile_without_duck_sizing``): otherwise a row count equal to the number
+    of kv heads on the first batch is compiled as a constant, and the next N recompiles.
     Built once here, not per call: ``create_block_mask(..., _compile=True)`` wraps a new compiled function
     at every call (and is deprecated). ``DFLASH2_FLEX_DYNAMIC=0`` in the environment compiles them as
     before (torch's default: static, then symbolic after the first change), a fallback should a torch
@@ -109,7 +139,7 @@ def compiled(name: str):
         from torch.nn.attention import flex_attention as fa
 
         dynamic = None if os.environ.get("DFLASH2_FLEX_DYNAMIC", "1") == "0" else True
-        _COMPILED[name] = torch.compile(getattr(fa, name), dynamic=dynamic)
+        _COMPILED[name] = compile_without_duck_sizing(getattr(fa, name), dynamic=dynamic)
     return _COMPILED[name]
 
 
