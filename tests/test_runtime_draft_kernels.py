@@ -30,7 +30,7 @@ from dflash2.drafter.selector import CandidateSelector
 from dflash2.runtime import kernels, load_model
 from dflash2.runtime.draft_math import conv_apply, conv_kernels_of, rope_tables
 from dflash2.runtime.drafter import RuntimeDrafter
-from dflash2.runtime.kernels import draft_rope, local_conv, norm, selector
+from dflash2.runtime.kernels import act, draft_rope, local_conv, norm, selector
 from dflash2.runtime.kernels.draft_rope import draft_qk_rope_write, draft_qk_rope_write_ref
 from dflash2.runtime.kernels.local_conv import local_conv_ref
 from dflash2.runtime.kernels.norm import add_rms_norm_fp32w, add_rms_norm_fp32w_ref
@@ -236,6 +236,7 @@ def test_fused_draft_step_equals_the_eager_step(runtime_target, kind, monkeypatc
             m.setattr(draft_rope, "draft_qk_rope_write_ref", no_twin)
             m.setattr(local_conv, "local_conv_ref", no_twin)
             m.setattr(selector, "selector_walk_ref", no_twin)
+            m.setattr(act, "silu_mul_ref", no_twin)  # the MLP's SwiGLU of its stacked gate|up GEMM
             m.setattr(CandidateSelector, "top_candidates", no_twin)  # its torch.topk: kernels/topk.py instead
             a = fn(contexts[0], *args, **kwargs)
         with kernels.kernels(False):

@@ -53,7 +53,8 @@ class ConvWeights:
 @dataclass
 class LayerWeights:
     """One drafter layer: qkv (H·hd + 2·Hkv·hd, d); qk_norm (H + Hkv, hd) fp32; input_norm / post_norm
-    (d,) fp32; the two local convs (None for v1 drafters)."""
+    (d,) fp32; the two local convs (None for v1 drafters); gate_up (2·I, d): the MLP's gate and up
+    projections stacked, one GEMM whose halves feed the fused SwiGLU (kernels/act.py)."""
 
     qkv: torch.Tensor
     qk_norm: torch.Tensor
@@ -61,6 +62,7 @@ class LayerWeights:
     post_norm: torch.Tensor
     attention_conv: ConvWeights | None
     mlp_conv: ConvWeights | None
+    gate_up: torch.Tensor
 
 
 @dataclass
@@ -103,6 +105,7 @@ class DraftWeights:
                     f32(layer.post_attention_layernorm),
                     ConvWeights.of(layer.attention_conv),
                     ConvWeights.of(layer.mlp_conv),
+                    torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]).detach(),
                 )
             )
         attns = [layer.self_attn for layer in drafter.layers]

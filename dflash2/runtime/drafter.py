@@ -55,6 +55,7 @@ from dflash2.errors import DFlash2Error
 from dflash2.runtime.cache import KVCache, StepMeta
 from dflash2.runtime.draft_math import rope_rows, rope_tables
 from dflash2.runtime.draft_weights import DraftWeights
+from dflash2.runtime.kernels.act import silu_mul
 from dflash2.runtime.kernels.draft_rope import draft_qk_rope_write
 from dflash2.runtime.kernels.local_conv import local_conv
 from dflash2.runtime.kernels.norm import add_rms_norm_fp32w
@@ -232,7 +233,12 @@ class RuntimeDrafter:
         h, out = self._sublayer(
             h, out, w.input_norm, w.attention_conv, lambda x: self._attention(i, x, cos, sin, kv, meta)
         )
-        return self._sublayer(h, out, w.post_norm, w.mlp_conv, self.drafter.layers[i].mlp)
+        return self._sublayer(h, out, w.post_norm, w.mlp_conv, lambda x: self._mlp(i, x))
+
+    def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer i's MLP, down(silu(gate(x)) · up(x)), with gate and up as one GEMM and the SwiGLU one launch
+        (rounded where the module rounds). x (N, B, d) -> (N, B, d)."""
+        return self.drafter.layers[i].mlp.down_proj(silu_mul(F.linear(x, self.weights.layers[i].gate_up)))
 
     @torch.no_grad()
     def hidden(self, ctx: DraftContext, anchor: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
