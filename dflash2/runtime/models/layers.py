@@ -164,7 +164,7 @@ class Rotary(nn.Module):
 
         table: :meth:`table`'s rows for positions 0..L-1 (positions must be < L): the rows are gathered
         instead of computed, two launches instead of about eight (a decode step's whole RoPE cost)."""
-        if table is not None:
+        if table is not None and table[0].dtype == dtype:  # another dtype: computed, as without a table
             cos, sin = table
             return cos[positions][:, None], sin[positions][:, None]
         freqs = positions[..., None].float() * self.inv_freq  # (N, T, R/2) fp32
