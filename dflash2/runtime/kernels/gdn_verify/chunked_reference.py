@@ -39,19 +39,21 @@ def chunked_recurrence(
     g: torch.Tensor,
     beta: torch.Tensor,
     chunk: int = CHUNK,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The module docstring's chunk equations, chunk after chunk, all fp32.
+    """The module docstring's chunk equations, chunk after chunk, in ``dtype`` (fp32 as the kernel;
+    float64 gives the equations' exact values to compare the kernel's own fp32 rounding with).
 
     h0 (N, H, d_k, d_v) the state before token 1; q (N, T, H, d_k) (already scaled by 1/sqrt(d_k)),
     k (N, T, H, d_k), v (N, T, H, d_v), g (N, T, H) log decays, beta (N, T, H).
-    Returns o (N, T, H, d_v), u (N, T, H, d_v) and the state after token T (N, H, d_k, d_v).
+    Returns o (N, T, H, d_v), u (N, T, H, d_v) and the state after token T (N, H, d_k, d_v), in dtype.
     """
     N, T, H, dv = v.shape
     # heads first: (N, H, T, d)
-    q, k, v = (t.float().transpose(1, 2) for t in (q, k, v))
-    g, beta = (t.float().transpose(1, 2) for t in (g, beta))
-    h = h0.float().clone()
-    o = torch.empty(N, H, T, dv, dtype=torch.float32, device=v.device)
+    q, k, v = (t.to(dtype).transpose(1, 2) for t in (q, k, v))
+    g, beta = (t.to(dtype).transpose(1, 2) for t in (g, beta))
+    h = h0.to(dtype).clone()
+    o = torch.empty(N, H, T, dv, dtype=dtype, device=v.device)
     u = torch.empty_like(o)
     for t0 in range(0, T, chunk):
         sl = slice(t0, min(t0 + chunk, T))
@@ -64,7 +66,7 @@ def chunked_recurrence(
         strict = lower.tril(-1)  # s < t: A's entries (its diagonal is the system's I)
         A = bc[..., None] * decay * (kc @ kc.transpose(-1, -2)) * strict
         B = bc[..., None] * (vc - G.exp()[..., None] * (kc @ h))
-        eye = torch.eye(C, dtype=torch.float32, device=v.device)
+        eye = torch.eye(C, dtype=dtype, device=v.device)
         uc = torch.linalg.solve_triangular(eye + A, B, upper=False, unitriangular=True)
         o[:, :, sl] = G.exp()[..., None] * (qc @ h) + (decay * (qc @ kc.transpose(-1, -2))) @ uc
         u[:, :, sl] = uc
@@ -83,11 +85,14 @@ def gdn_verify_chunked_reference(
     A_log: torch.Tensor,
     dt_bias: torch.Tensor,
     num_k_heads: int,
+    *,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, GDNLog]:
     """gdn_verify_reference (ReplaySSM) with :func:`chunked_recurrence` for the token walk: same
-    arguments, same (o (N, T, H, d_v) in x's dtype, GDNLog with k, u, g); the states are only read."""
+    arguments, same (o (N, T, H, d_v) in x's dtype, GDNLog with k, u, g); the states are only read.
+    dtype: the recurrence's (the prep stays fp32, as the kernel's); float64 returns o and u in float64."""
     H, dk = rec_state.shape[1:3]
     g, beta = gdn_gates(a, b, A_log, dt_bias)
     q, k_heads, k, v = prepare_qkv(x, conv_state, conv_weight, H, num_k_heads, dk)
-    o, u, _ = chunked_recurrence(rec_state, q, k, v, g, beta.float())
-    return o.to(x.dtype), GDNLog(x=x, k=k_heads, u=u, g=g.float())
+    o, u, _ = chunked_recurrence(rec_state, q, k, v, g, beta.float(), dtype=dtype)
+    return (o if dtype == torch.float64 else o.to(x.dtype)), GDNLog(x=x, k=k_heads, u=u, g=g.float())
