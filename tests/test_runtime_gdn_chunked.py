@@ -149,4 +149,3 @@ def test_commit_equals_single_token_decoding(device):
     torch.testing.assert_close(s.rec[0], _after(rec_ref, n), **CHUNKED)
     torch.testing.assert_close(s.conv[0], _after(conv_ref, n), rtol=0, atol=0)
     assert torch.equal(s.rec[0, 0], case["rec_state"][0])  # n = 0: untouched
-

@@ -3,8 +3,9 @@
     python -m dflash2.runtime.bench_gdn --device cuda              # Qwen3.5-9B GDN shape, batch 1 and 64, T=16
     python -m dflash2.runtime.bench_gdn --device cuda --modes replay replay_eager native --profile
     python -m dflash2.runtime.bench_gdn --device cuda --sweep      # also search the kernels' tile / warp options
-    python -m dflash2.runtime.bench_gdn --device cuda --batch 1 --modes replay native --options '{}' --options '{"chunked": true}'
-                                                                   # ReplaySSM's chunked verify recurrence vs the sequential one
+    # ReplaySSM's chunked verify recurrence against the sequential one (and native):
+    python -m dflash2.runtime.bench_gdn --device cuda --batch 1 --modes replay native \
+        --options '{}' --options '{"chunked": true}'
     python -m dflash2.runtime.bench_gdn --device cuda --out g.json # results as JSON too
 
 What one speculative step does to the GDN layers, on a :class:`~dflash2.runtime.gdn_state.GDNState`

@@ -2,7 +2,8 @@
 
 :func:`gdn_verify_triton` (Triton, kernel.py) and its plain-PyTorch twin
 :func:`~.reference.gdn_verify_reference` take the same arguments and return the same
-(o, GDNLog). docs/ARCHITECTURE.md §5.5.
+(o, GDNLog); with ``chunked=True`` the recurrence is chunk_kernel.py's, twin
+:func:`~.chunked_reference.gdn_verify_chunked_reference`. docs/ARCHITECTURE.md §5.5.
 """
 
 from __future__ import annotations

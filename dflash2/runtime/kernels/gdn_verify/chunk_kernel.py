@@ -37,18 +37,42 @@ CHUNK_T = 16  # tokens per chunk: tl.dot's smallest M / K
 
 
 @triton.jit
-def _fold_pending(h, p_n, stash_k, stash_g, log_u, i_n, i_h, i_hk, T, o_k, o_v, m_k, m_v, p_rec, m_h,
-                  HK, H, DK, DV, STAGES: tl.constexpr):
+def _fold_pending(
+    h,
+    p_n,
+    stash_k,
+    stash_g,
+    log_u,
+    i_n,
+    i_h,
+    i_hk,
+    T,
+    o_k,
+    o_v,
+    m_k,
+    m_v,
+    p_rec,
+    m_h,
+    HK,
+    H,
+    DK,
+    DV,
+    STAGES: tl.constexpr,
+):
     """The deferred commit on the tile in registers (gdn_recur_kernel's fold, same order); returns h."""
     n = tl.load(p_n)
     if n > 0:
         if STAGES > 0:
             for t in tl.range(0, n, num_stages=STAGES):
-                fg, fk, fu = _fold_rows(stash_k, stash_g, log_u, i_n, i_h, i_hk, t, T, o_k, o_v, m_k, m_v, HK, H, DK, DV)
+                fg, fk, fu = _fold_rows(
+                    stash_k, stash_g, log_u, i_n, i_h, i_hk, t, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
+                )
                 h = _fold_token(h, fg, fk, fu)
         else:
             for t in range(0, n):
-                fg, fk, fu = _fold_rows(stash_k, stash_g, log_u, i_n, i_h, i_hk, t, T, o_k, o_v, m_k, m_v, HK, H, DK, DV)
+                fg, fk, fu = _fold_rows(
+                    stash_k, stash_g, log_u, i_n, i_h, i_hk, t, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
+                )
                 h = _fold_token(h, fg, fk, fu)
         tl.store(p_rec, h, mask=m_h)  # the committed state, materialised once
         tl.store(p_n, n * 0)  # consumed: a second verify without a commit folds nothing
@@ -95,8 +119,9 @@ def gdn_recur_chunk_kernel(
     p_rec = rec + i_n * stride_rn + i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
     h = tl.load(p_rec, mask=m_h, other=0.0)  # masked lanes 0, and they stay 0
     p_n = pend + i_n * stride_pn + i_h * tl.num_programs(0) + i_v
-    h = _fold_pending(h, p_n, stash_k, stash_g, log_u, i_n, i_h, i_hk, T, o_k, o_v, m_k, m_v, p_rec, m_h,
-                      HK, H, DK, DV, STAGES)
+    h = _fold_pending(
+        h, p_n, stash_k, stash_g, log_u, i_n, i_h, i_hk, T, o_k, o_v, m_k, m_v, p_rec, m_h, HK, H, DK, DV, STAGES
+    )
     # the fold's reads of the old u are done in every thread before the new block's u is stored
     tl.debug_barrier()
     o_t = tl.arange(0, BT)

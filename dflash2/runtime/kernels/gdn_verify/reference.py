@@ -86,7 +86,7 @@ def gdn_verify(
     rec_state (N, H, d_k, d_v) fp32 (read only); g (N, T, H) fp32; beta (N, T, H).
     Returns o (N, T, H, d_v) in x's dtype and the :class:`GDNLog` (native: the T states).
     """
-    N, T, C = x.shape
+    N, T = x.shape[:2]
     H, dk, dv = rec_state.shape[1:]
     q, k_heads, k, v = prepare_qkv(x, conv_state, conv_weight, H, num_k_heads, head_k_dim)
     beta = beta.float()
