@@ -157,6 +157,17 @@ def test_modes_are_checked_before_anything_runs(hybrid, hf_targets, monkeypatch)
         speedup_gdn.plan_modes(attention_only, ["Replay"])  # a typo is still one
 
 
+def test_kernel_options_reach_the_states(hybrid):
+    """gdn_kernel_options (eval.speedup's config key, e.g. {chunked: true}) reach every GDNState the target
+    makes inside gdn_mode(...), and the target's own are restored after."""
+    _, model, _, _ = hybrid
+    assert model.gdn_kernel_options == {}
+    with speedup_gdn.gdn_mode(model, "replay", {"chunked": True}):
+        state = model.new_state(1, 8)
+        assert state.gdn.mode == "replay" and state.gdn.kernel_options == {"chunked": True}
+    assert model.gdn_kernel_options == {} and model.new_state(1, 8).gdn.kernel_options == {}
+
+
 def test_cross_mode_check_names_the_first_divergence(hybrid):
     """A mode whose output differs from the first mode's AR is flagged with both tokens and the margin."""
     _, model, prompts, full = hybrid

@@ -368,6 +368,7 @@ def run_speedup(
     ablate_kernels: bool = True,
     gdn_modes=("replay", "native"),
     gdn_bench_iters: int = 50,
+    gdn_kernel_options: dict | None = None,
     output_dir=None,
     log=print,
     extra: dict | None = None,
@@ -381,6 +382,8 @@ def run_speedup(
     gdn_modes: for a hybrid target, (b) and (c) are measured once per mode (speedup_gdn.py); the first is
     the headline row, the others go to each batch row's ``other_gdn_modes``. Ignored (recorded as not
     applicable) for a target without GDN layers. gdn_bench_iters: replays per phase of the per-layer bench.
+    gdn_kernel_options: GDNState's kernel_options for every mode's states and the per-layer bench (e.g.
+    {"chunked": True}: ReplaySSM's chunked verify recurrence; modes without the knob ignore it).
     extra: settings recorded in the results as they are (e.g. the attention backend asked for); the attention
     that ran is recorded as ``attention`` regardless. sampling: None / temperature 0 = greedy (the lossless
     check compares tokens); temperature > 0 (with top_k, top_p) samples every method, each generation from
@@ -412,6 +415,7 @@ def run_speedup(
         "attention": attention_in_use(device),  # what decode blocks ran (prefill: SDPA), fallbacks applied
         "gemm": gemm_in_use(device),  # what the target's decode-sized projections ran, fallbacks applied
         "gdn": speedup_gdn.summary(target, gdn_modes, modes, B),
+        "gdn_kernel_options": dict(gdn_kernel_options or {}),
         "batches": {},
     }
     where = f"{pair.label} on {results['device']}"
@@ -433,7 +437,7 @@ def run_speedup(
     for i, mode in enumerate(modes or [None]):  # None: not a hybrid, one pass with the target as it is
         if progress is not None and mode is not None:
             progress.set_description(f"timed generations, GDN {mode}")
-        with speedup_gdn.gdn_mode(target, mode):
+        with speedup_gdn.gdn_mode(target, mode, gdn_kernel_options):
             dec = Decoder(target, drafter, max_len=max_len)  # new states (and graphs) in this mode
             for N in batch_sizes:
                 prompts = prompts_of[N]
@@ -441,7 +445,9 @@ def run_speedup(
                 if mode is not None:
                     first_ar.setdefault(N, sub["ar"]["sequences"])
                     sub["first_mode"] = cross_mode(target, prompts, first_ar[N], sub, sampled, index_of[N])
-                    sub["gdn_layer"] = speedup_gdn.layer_cost(target, mode, N, B, iters=gdn_bench_iters)
+                    sub["gdn_layer"] = speedup_gdn.layer_cost(
+                        target, mode, N, B, iters=gdn_bench_iters, kernel_options=gdn_kernel_options
+                    )
                 if i == 0:
                     rows[N].update(sub, gdn_mode=mode)
                 else:

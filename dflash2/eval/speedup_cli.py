@@ -98,6 +98,7 @@ def _measure(cfg, modes, gemm) -> dict:
         profile=bool(cfg.profile),
         ablate_kernels=bool(cfg.ablate_kernels),
         gdn_modes=modes,
+        gdn_kernel_options=dict(cfg.get("gdn_kernel_options") or {}),
         output_dir=cfg.paths.output_dir,
         # results["attention"] / ["gemm"]: what ran
         extra={"attention_setting": cfg.attention or "default", "gemm_setting": gemm or "cublas"},

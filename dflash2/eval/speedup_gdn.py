@@ -96,15 +96,18 @@ def summary(target, requested, modes: list[str], block_size: int) -> dict:
 
 
 @contextmanager
-def gdn_mode(target, mode: str | None):
-    """States made inside use ``mode`` (None: leave the target's own); the target's mode is restored after."""
-    old = target.gdn_mode
+def gdn_mode(target, mode: str | None, kernel_options: dict | None = None):
+    """States made inside use ``mode`` (None: leave the target's own) and, if given, GDNState's
+    ``kernel_options`` (e.g. {"chunked": True}); the target's own are restored after."""
+    old = target.gdn_mode, getattr(target, "gdn_kernel_options", {})
     if mode is not None:
         target.gdn_mode = mode
+    if kernel_options is not None:
+        target.gdn_kernel_options = dict(kernel_options)
     try:
         yield
     finally:
-        target.gdn_mode = old
+        target.gdn_mode, target.gdn_kernel_options = old
 
 
 def committed_bytes(shape: GDNShape, itemsize: int) -> int:
@@ -114,7 +117,7 @@ def committed_bytes(shape: GDNShape, itemsize: int) -> int:
     return shape.num_layers * (rec + shape.conv_dim * (shape.conv_kernel - 1) * itemsize)
 
 
-def layer_cost(target, mode: str, N: int, T: int, *, iters: int = 50) -> dict:
+def layer_cost(target, mode: str, N: int, T: int, *, iters: int = 50, kernel_options: dict | None = None) -> dict:
     """One speculative step's GDN cost at the target's shape, per GDN layer: verify of T tokens in every
     GDN layer + commit of all T (the most a fold does), N rows, the target's dtype and device. ReplaySSM
     commits as the engine's slots do, deferred: its verify µs include the fold of the previous commit.
@@ -123,7 +126,7 @@ def layer_cost(target, mode: str, N: int, T: int, *, iters: int = 50) -> dict:
     layers: ReplaySSM's k/u/g logs (and the deferred commit's counts and stash) or native's T states,
     plus the T pre-conv inputs),
     state_bytes_per_request (committed), spec_layout ('replay' | 'native': native stores states only
-    for blocks of ≤ NATIVE_MAX_TOKENS tokens) and timed.
+    for blocks of ≤ NATIVE_MAX_TOKENS tokens) and timed. kernel_options: GDNState's (bench_gdn --options).
     """
     shape = GDNShape.of_model(target)
     weight = target.embed.weight
@@ -143,7 +146,15 @@ def layer_cost(target, mode: str, N: int, T: int, *, iters: int = 50) -> dict:
         return out
     # interpreted (CPU): one pass, so the path is exercised and its bytes checked; its µs mean nothing
     row = measure(
-        shape, N, T, mode, dtype=weight.dtype, device=device, iters=iters if cuda else 1, warmup=3 if cuda else 0
+        shape,
+        N,
+        T,
+        mode,
+        dtype=weight.dtype,
+        device=device,
+        iters=iters if cuda else 1,
+        warmup=3 if cuda else 0,
+        kernel_options=kernel_options,
     )
     if row.spec_bytes_per_request != out["spec_bytes_per_request"]:  # the formula must be what the logs hold
         raise RuntimeError(f"{mode}: logs held {row.spec_bytes_per_request} B/request, shapes say {out}")

@@ -3,6 +3,9 @@
     python -m dflash2.runtime.bench_gdn --device cuda              # Qwen3.5-9B GDN shape, batch 1 and 64, T=16
     python -m dflash2.runtime.bench_gdn --device cuda --modes replay replay_eager native --profile
     python -m dflash2.runtime.bench_gdn --device cuda --sweep      # also search the kernels' tile / warp options
+    # ReplaySSM's chunked verify recurrence against the sequential one (and native):
+    python -m dflash2.runtime.bench_gdn --device cuda --batch 1 --modes replay native \
+        --options '{}' --options '{"chunked": true}'
     python -m dflash2.runtime.bench_gdn --device cuda --out g.json # results as JSON too
 
 What one speculative step does to the GDN layers, on a :class:`~dflash2.runtime.gdn_state.GDNState`
@@ -318,8 +321,9 @@ STAGES_SWEEP = (2, 3, 4)  # the recurrence's pipelined loops (0, the hand prefet
 
 
 def best_options(shape, N, T, mode, **kw) -> Row:
-    """The fastest verify + commit over the SWEEP grid, then over STAGES_SWEEP and PREP_SWEEP with the
-    best tile (options a kernel cannot compile are skipped)."""
+    """The fastest verify + commit over the SWEEP grid (ReplaySSM: with and without the chunked recurrence,
+    whose best tile differs), then over STAGES_SWEEP and PREP_SWEEP with the best tile (options a kernel
+    cannot compile are skipped)."""
     best = None
 
     def attempt(options):
@@ -336,6 +340,8 @@ def best_options(shape, N, T, mode, **kw) -> Row:
     for bv, warps in itertools.product(*SWEEP.values()):
         if bv <= shape.head_v_dim * 2:
             attempt(dict(block_v=bv, num_warps=warps))
+            if mode in ("replay", "replay_eager"):
+                attempt(dict(block_v=bv, num_warps=warps, chunked=True))
     if best is not None and mode != "reference":
         tile = dict(best.kernel_options)
         for stages in STAGES_SWEEP:

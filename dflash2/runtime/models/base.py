@@ -43,7 +43,9 @@ class RuntimeCausalLM(nn.Module):
     num_kv_heads, head_dim, num_heads: attention shapes (for the KV cache);
     gdn_dims: kwargs of :class:`GDNState` besides layers/batch/dtype/device, or None;
     gdn_mode: the GDN verify / commit implementation of new states (set by ``load_model`` or by hand);
-    'auto' (the default) is resolved per state by its device (``gdn_state.resolve_gdn_mode``).
+    'auto' (the default) is resolved per state by its device (``gdn_state.resolve_gdn_mode``);
+    gdn_kernel_options: GDNState's kernel_options for new states (tuning knobs of the Triton modes, e.g.
+    ``{"chunked": True}``; default {}: the kernels' defaults).
     """
 
     KEY_MAP = None  # loading.KeyMap, set by each family
@@ -61,6 +63,7 @@ class RuntimeCausalLM(nn.Module):
         # GDNState mode of new states: 'auto' | 'reference' | 'replay' | 'native'. 'auto' stays unresolved
         # here so that a model moved to another device after loading still gets its device's mode.
         self.gdn_mode = "auto"
+        self.gdn_kernel_options: dict = {}
 
     # ------------------------------------------------------------------ state
     def slots(self) -> list[int]:
@@ -96,7 +99,15 @@ class RuntimeCausalLM(nn.Module):
         gdn = None
         if n_gdn:
             mode = gdn_mode or self.gdn_mode
-            gdn = GDNState(n_gdn, batch_size, dtype=weight.dtype, device=device, mode=mode, **self.gdn_dims)
+            gdn = GDNState(
+                n_gdn,
+                batch_size,
+                dtype=weight.dtype,
+                device=device,
+                mode=mode,
+                kernel_options=self.gdn_kernel_options,
+                **self.gdn_dims,
+            )
         lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         rope = self.rotary.table(max_len, weight.dtype, device) if n_attn else None  # only attention rotates
         return DecodeState(lengths, kv, gdn, rope)

@@ -2,7 +2,8 @@
 
 :func:`gdn_verify_triton` (Triton, kernel.py) and its plain-PyTorch twin
 :func:`~.reference.gdn_verify_reference` take the same arguments and return the same
-(o, GDNLog). docs/ARCHITECTURE.md §5.5.
+(o, GDNLog); with ``chunked=True`` the recurrence is chunk_kernel.py's, twin
+:func:`~.chunked_reference.gdn_verify_chunked_reference`. docs/ARCHITECTURE.md §5.5.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def gdn_verify_triton(
     prep_warps: int | None = None,
     stages: int | None = None,
     split_out: bool = False,
+    chunked: bool = False,
 ) -> tuple[torch.Tensor, GDNLog]:
     """Outputs of the T block tokens of every row from the untouched states, plus the commit log.
 
@@ -58,6 +60,15 @@ def gdn_verify_triton(
     default, DEFAULT_STAGES); the arithmetic, and so the rounding, is the same. split_out (with
     stages ≥ 1): o_t = hᵀq + (k·q) u_t, whose d_k sum no longer waits for u_t (outputs round
     differently; the state and the log do not). All are tuning knobs (dflash2/runtime/bench_gdn.py).
+
+    chunked (ReplaySSM; ignored by native, whose per-token states are the sequential walk's output):
+    after the unchanged exact fold of the pending tokens, the block's o and u come from matrix
+    products over chunks of 16 tokens and a 16 × 16 triangular solve (chunk_kernel.py, twin
+    chunked_reference.py) instead of T dependent steps, each waiting for a d_k-long reduction — the
+    chain that makes the batch-1 recurrence latency-bound. Same values up to fp32 rounding: o and the
+    logged u differ from the sequential walk's (and from single-token decoding's) at rounding level;
+    the log's layout and the next verify's fold do not change. Any head dims and block_v (tiles are
+    padded to 16); split_out does not apply.
     """
     N, T, C = x.shape
     H, dk, dv = rec_state.shape[1:]
@@ -151,6 +162,7 @@ def gdn_verify_triton(
         block_t=bt,
         stages=stages,
         split_out=bool(split_out) and stages > 0,
+        chunked=bool(chunked) and not native,
         # registers: the recurrence's state tile (≤ ~64 fp32 per thread). The prep's (BT, d) conv tiles
         # are latency-bound at batch 1 (64 programs at the 9B shape for 132 SMs): 4 warps split each
         # program's loads four ways at no cost in occupancy; a first guess for the sweep to tune

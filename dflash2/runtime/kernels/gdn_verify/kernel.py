@@ -436,12 +436,13 @@ def launch_verify(
     block_t,
     num_warps,
     prep_warps,
+    chunked=False,
 ):
     """gdn_prep_kernel on grid (N, 2·Hk + H), then gdn_recur_kernel on grid (d_v / BV, N·H). Tensors as in
     the kernels (conv_weight as (C, K)); prep = (q, k, v, g, β) fp32 buffers of the prep kernel's
     output shapes; x_log the log's x (read by the fold, written when store_x); fold = (pend, stash_k,
     stash_g), zero counts when nothing is pending; the unused output of the other mode may be any
-    tensor (never touched)."""
+    tensor (never touched). chunked (ReplaySSM): chunk_kernel.py's recurrence instead, same grid."""
     N, T, _ = x.shape
     H, DK, DV = rec_state.shape[1:]
     KW = conv_weight.shape[1]
@@ -490,6 +491,14 @@ def launch_verify(
         num_warps=prep_warps,
         enable_fp_fusion=False,  # round as the reference does (no fused multiply-adds)
     )
+    if chunked:
+        from dflash2.runtime.kernels.gdn_verify.chunk_kernel import launch_chunk_recur
+
+        launch_chunk_recur(
+            q, k, v, g, beta, rec_state, o, log_u, fold,
+            num_k_heads=num_k_heads, block_v=block_v, stages=stages, num_warps=num_warps,
+        )  # fmt: skip
+        return
     gdn_recur_kernel[(triton.cdiv(DV, block_v), N * H)](
         q,
         k,

@@ -50,6 +50,24 @@ def causal_conv_silu(x: torch.Tensor, conv_state: torch.Tensor, conv_weight: tor
     return y.transpose(1, 2)
 
 
+def prepare_qkv(
+    x: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor, H: int, num_k_heads: int, head_k_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Conv + SiLU, split, L2 norms: x (N, T, C) -> fp32 q (N, T, H, d_k) scaled by 1/sqrt(d_k), k_heads
+    (N, T, Hk, d_k) (what the log keeps), k (N, T, H, d_k) (k_heads per value head), v (N, T, H, d_v)."""
+    N, T, C = x.shape
+    dk = head_k_dim
+    y = causal_conv_silu(x, conv_state, conv_weight)
+    key_dim = num_k_heads * dk
+    q, k, v = y.split([key_dim, key_dim, C - 2 * key_dim], dim=-1)
+    r = H // num_k_heads  # value heads per key head: head h reads q/k head h // r
+    k_heads = l2norm(k.reshape(N, T, num_k_heads, dk).float())  # (N, T, Hk, dk), what the log keeps
+    q = l2norm(q.reshape(N, T, num_k_heads, dk).float()).repeat_interleave(r, dim=2) / dk**0.5  # (N, T, H, dk)
+    k = k_heads.repeat_interleave(r, dim=2)
+    v = v.reshape(N, T, H, -1).float()
+    return q, k_heads, k, v
+
+
 def gdn_verify(
     x: torch.Tensor,
     conv_state: torch.Tensor,
@@ -68,16 +86,9 @@ def gdn_verify(
     rec_state (N, H, d_k, d_v) fp32 (read only); g (N, T, H) fp32; beta (N, T, H).
     Returns o (N, T, H, d_v) in x's dtype and the :class:`GDNLog` (native: the T states).
     """
-    N, T, C = x.shape
+    N, T = x.shape[:2]
     H, dk, dv = rec_state.shape[1:]
-    y = causal_conv_silu(x, conv_state, conv_weight)
-    key_dim = num_k_heads * head_k_dim
-    q, k, v = y.split([key_dim, key_dim, C - 2 * key_dim], dim=-1)
-    r = H // num_k_heads  # value heads per key head: head h reads q/k head h // r
-    k_heads = l2norm(k.reshape(N, T, num_k_heads, dk).float())  # (N, T, Hk, dk), what the log keeps
-    q = l2norm(q.reshape(N, T, num_k_heads, dk).float()).repeat_interleave(r, dim=2) / dk**0.5  # (N, T, H, dk)
-    k = k_heads.repeat_interleave(r, dim=2)
-    v = v.reshape(N, T, H, dv).float()
+    q, k_heads, k, v = prepare_qkv(x, conv_state, conv_weight, H, num_k_heads, head_k_dim)
     beta = beta.float()
     h = rec_state.clone()  # working copy; the real state is only changed by commit
     u = torch.empty(N, T, H, dv, dtype=torch.float32, device=x.device)
