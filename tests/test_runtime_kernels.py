@@ -22,7 +22,8 @@ from dflash2.runtime.kernels import gated_norm
 from dflash2.runtime.kernels.act import silu_mul, silu_mul_ref
 from dflash2.runtime.kernels.gated_norm import gated_rms_norm, gated_rms_norm_ref
 from dflash2.runtime.kernels.norm import add_rms_norm, add_rms_norm_ref
-from dflash2.runtime.kernels.rope import qk_norm_rope_write, qk_norm_rope_write_ref
+from dflash2.runtime.kernels.output_gate import output_gate, output_gate_ref
+from dflash2.runtime.kernels.rope import qk_norm_rope_write, qk_norm_rope_write_ref, split_qkv
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=0.02, atol=0.07)}
 
@@ -52,6 +53,26 @@ def test_silu_mul(interpret, dtype):
     for device in kernel_devices():
         gu = torch.randn(2, 3, 2 * 1500, generator=torch.Generator().manual_seed(1)).to(device, dtype)
         _assert_close(silu_mul(gu), silu_mul_ref(gu), dtype, device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,T,H,Hkv,D", [(2, 5, 4, 2, 24), (1, 1, 3, 1, 96), (3, 16, 16, 2, 256)])
+def test_output_gate(interpret, dtype, N, T, H, Hkv, D):
+    """Gated attention's y · sigmoid(gate), with the gate a strided slice of a fused q|gate|k|v projection
+    and y the attention's (N, H, T, D) output (as Attention.forward hands them), against the twin."""
+    for device in kernel_devices():
+        g = torch.Generator().manual_seed(N + T + D)
+        qkv = torch.randn(N, T, 2 * H * D + 2 * Hkv * D, generator=g).to(device, dtype)
+        gate = split_qkv(qkv, H, Hkv, D, True)[1]  # (N, T, H, D) view
+        y = torch.randn(N, H, T, D, generator=g).to(device, dtype)
+        got = output_gate(y, gate)
+        assert got.shape == (N, T, H * D) and got.is_contiguous() and got.dtype == dtype
+        _assert_close(got, output_gate_ref(y, gate), dtype, device)
+
+
+def test_output_gate_refuses_a_gate_of_another_shape():
+    with pytest.raises(ValueError, match="gate must be"):
+        output_gate(torch.zeros(1, 2, 3, 4), torch.zeros(1, 3, 2, 5))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

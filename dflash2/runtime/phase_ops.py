@@ -218,6 +218,7 @@ FUSED = (
     ("dflash2.runtime.selector_path", "greedy_walk", 2),  # the hidden projection's GEMM + the walk's launch
     ("dflash2.runtime.kernels.act", "silu_mul_ref", 1),
     ("dflash2.runtime.kernels.gated_norm", "gated_rms_norm_ref", 1),
+    ("dflash2.runtime.kernels.output_gate", "output_gate_ref", 1),  # gated attention's transpose · sigmoid(gate)
     ("dflash2.runtime.gdn_state", "GDNState.verify", 2),
     ("dflash2.runtime.gdn_state", "GDNState.commit", 1),
     ("dflash2.runtime.kernels.accept", "greedy_accept_ref", 1),  # the T=0 accept's bookkeeping

@@ -23,6 +23,8 @@ These kernels fold each such group into one launch:
   verify's argmax (accepted prefix, bonus, EOS / budget cut, output write, counters), one program per
   row, in place on the decode slot's buffers (twin: the same in a dozen-odd tensor ops; integer, exact);
 * :func:`~dflash2.runtime.kernels.act.silu_mul`: the SwiGLU activation;
+* :func:`~dflash2.runtime.kernels.output_gate.output_gate`: gated attention's y · sigmoid(gate) with the
+  head transpose, straight from the attention output and the fused projection's gate slice;
 * :func:`~dflash2.runtime.kernels.gated_norm.gated_rms_norm`: the Gated DeltaNet output norm,
   RMSNorm(o) · w · silu(z) (Qwen3.5 / Qwen3-Next RMSNormGated), one program per token and head;
 * :func:`~dflash2.runtime.kernels.attention.decode_attention`: split-K decode attention over

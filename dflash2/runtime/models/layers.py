@@ -24,6 +24,7 @@ from dflash2.runtime.gemm import linear
 from dflash2.runtime.kernels.act import silu_mul
 from dflash2.runtime.kernels.gated_norm import gated_rms_norm
 from dflash2.runtime.kernels.norm import add_rms_norm
+from dflash2.runtime.kernels.output_gate import output_gate
 from dflash2.runtime.kernels.rope import qk_norm_rope_write, split_qkv
 from dflash2.text_model import rope_theta
 
@@ -252,8 +253,8 @@ class Attention(nn.Module):
             offset=self.norm_offset,
         )
         y = kv.attend(slot, q, meta)  # (N, H, T, D)
-        y = y.transpose(1, 2).reshape(N, T, self.h * self.hd)
-        if self.output_gate:
-            gate = split_qkv(qkv, self.h, self.hkv, self.hd, True)[1]  # (N, T, H, D)
-            y = y * torch.sigmoid(gate.reshape(N, T, self.h * self.hd))
+        if self.output_gate:  # transpose, sigmoid gate and product in one launch on CUDA
+            y = output_gate(y, split_qkv(qkv, self.h, self.hkv, self.hd, True)[1])  # gate (N, T, H, D), a view
+        else:
+            y = y.transpose(1, 2).reshape(N, T, self.h * self.hd)
         return project(self.o_proj, y)
