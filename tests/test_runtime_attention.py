@@ -91,6 +91,10 @@ def test_kernel_equals_twin(interpret, G, D, T, dtype):
                 y = decode_attention(q, k, v, pos, causal, **options)
                 assert y.shape == q.shape and y.dtype == dtype
                 torch.testing.assert_close(y.float(), ref.float(), **TOL[dtype])
+                # token-major: the same values, written straight into (N, T, H, D) (direct store and combine)
+                yt = decode_attention(q, k, v, pos, causal, token_major=True, **options)
+                assert yt.shape == (N, T, hkv * G, D) and yt.is_contiguous()
+                assert torch.equal(yt, y.transpose(1, 2))
 
 
 def test_kernel_fp16_and_strided_q(interpret):
@@ -227,11 +231,15 @@ def test_attend_triton_equals_sdpa(interpret, triton_backend, monkeypatch, dtype
                 assert calls == [rule]  # the kernel ran, with the rule the metadata states
                 set_attention_backend("default")  # the same kernel
                 assert torch.equal(kv.attend(1, q, meta), y) and calls == [rule, rule]
+                yt = kv.attend(1, q, meta, token_major=True)
+                assert yt.is_contiguous() and torch.equal(yt, y.transpose(1, 2))
                 set_attention_backend("sdpa")
                 ref = kv.attend(1, q, meta)
+                ref_t = kv.attend(1, q, meta, token_major=True)
                 set_attention_backend("triton")
-                assert calls == [rule, rule]  # sdpa never reaches the kernel
+                assert calls == [rule, rule, rule]  # sdpa never reaches the kernel
                 torch.testing.assert_close(y.float(), ref.float(), **TOL[dtype])
+                assert ref_t.is_contiguous() and torch.equal(ref_t, ref.transpose(1, 2))
 
 
 def test_sdpa_backend_is_plain_sdpa(interpret, monkeypatch):

@@ -156,8 +156,11 @@ class KVCache:
         self.k.scatter_(3, index, k)
         self.v.scatter_(3, index, v)
 
-    def attend(self, slot: int, q: torch.Tensor, meta: StepMeta) -> torch.Tensor:
-        """q (N, H, T, D) -> (N, H, T, D): softmax attention over the first meta.kv_len cache positions."""
+    def attend(self, slot: int, q: torch.Tensor, meta: StepMeta, token_major: bool = False) -> torch.Tensor:
+        """q (N, H, T, D) -> (N, H, T, D): softmax attention over the first meta.kv_len cache positions.
+
+        token_major: return (N, T, H, D) contiguous instead, the output projection's layout (the Triton
+        kernel writes it directly; SDPA's output is transposed into it)."""
         N, H, T, D = q.shape
         hkv = self.k.shape[2]
         k = self.k[slot, :, :, : meta.kv_len]  # (N, Hkv, S, D), a view
@@ -165,7 +168,8 @@ class KVCache:
         if _TRITON and meta.mask_rule is not None and T <= TRITON_MAX_T and _triton_applies(q):
             from dflash2.runtime.kernels.attention import decode_attention
 
-            return decode_attention(q, k, v, meta.positions, causal=meta.mask_rule == "causal")
+            causal = meta.mask_rule == "causal"
+            return decode_attention(q, k, v, meta.positions, causal=causal, token_major=token_major)
         # head h = j·G + g reads K/V head j (HF's repeat_kv order): fold g into the query length
         qg = q.reshape(N, hkv, self.groups * T, D)
         if _SDPA_BACKENDS is not None and q.is_cuda:
@@ -175,7 +179,8 @@ class KVCache:
                 y = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.mask)
         else:
             y = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.mask)  # (N, Hkv, G·T, D)
-        return y.reshape(N, H, T, D)  # reshape: fused kernels may return a non-contiguous layout
+        y = y.reshape(N, H, T, D)  # reshape: fused kernels may return a non-contiguous layout
+        return y.transpose(1, 2).contiguous() if token_major else y
 
 
 def _triton_applies(q: torch.Tensor) -> bool:

@@ -212,8 +212,8 @@ class RuntimeDrafter:
             num_heads=H,
             eps=self.weights.eps,
         )  # (N, H, B, hd)
-        y = kv.attend(i, q, meta)  # (N, H, B, hd)
-        return attn.o_proj(y.transpose(1, 2).reshape(N, T, H * hd))
+        y = kv.attend(i, q, meta, token_major=True)  # (N, B, H, hd): o_proj's layout, no transposing copy
+        return attn.o_proj(y.reshape(N, T, H * hd))
 
     def _sublayer(self, h: torch.Tensor, out: torch.Tensor | None, norm: torch.Tensor, conv, fn):
         """``DecoderLayer._sublayer`` with its residual add deferred: (h, out) -> (h + out, its sublayer's out).

@@ -259,11 +259,11 @@ def _patched(counter: OpCounter, target, drafter, raw: bool):
             wrap(owner, name, around(lambda n=name, k=launches: counter.unit(f"cuda:{n}", k)))
 
         def attend(fn):  # decode blocks with a mask rule run the Triton decode kernel on CUDA
-            def run(self, slot, q, meta):
+            def run(self, slot, q, meta, **kwargs):
                 if meta.mask_rule is None or q.shape[2] > cache.TRITON_MAX_T:
-                    return fn(self, slot, q, meta)
-                with counter.unit("cuda:decode_attention"):
-                    return fn(self, slot, q, meta)
+                    return fn(self, slot, q, meta, **kwargs)
+                with counter.unit("cuda:decode_attention"):  # token_major too: the kernel writes that layout
+                    return fn(self, slot, q, meta, **kwargs)
 
             return run
 

@@ -91,6 +91,10 @@ def _decode_attention_partial(
     s_vs,
     s_pn,
     s_pt,
+    s_on,
+    s_oj,
+    s_og,
+    s_ot,
     D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -160,7 +164,8 @@ def _decode_attention_partial(
         tl.store(ml_ptr + part * 2 + rows * 2 + 1, l_i, mask=row_ok)
     else:
         y = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l = 0 only for a row with no visible key: output 0
-        o = out_ptr + nj * M * D + rows[:, None] * D + d[None, :]
+        # row g·T + t of K/V head j is query head j·G + g, token t: placed by the output's strides
+        o = out_ptr + n * s_on + j * s_oj + ((rows // T) * s_og + (rows % T) * s_ot)[:, None] + d[None, :]
         tl.store(o, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
@@ -170,6 +175,12 @@ def _decode_attention_combine(
     out_ptr,
     M,
     SPLITS,
+    HKV,
+    T,
+    s_on,
+    s_oj,
+    s_og,
+    s_ot,
     D: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -191,7 +202,8 @@ def _decode_attention_combine(
     acc = tl.load(acc_ptr + base * D + part[:, :, None] * D + d[None, None, :], mask=ok[:, :, None] & d_ok, other=0.0)
     total = tl.sum(w * l_c, axis=1)
     y = tl.sum(w[:, :, None] * acc, axis=1) / tl.where(total > 0, total, 1.0)[:, None]  # (BLOCK_R, BLOCK_D)
-    o = out_ptr + nj * M * D + rows[:, None] * D + d[None, :]
+    n, j = nj // HKV, nj % HKV
+    o = out_ptr + n * s_on + j * s_oj + ((rows // T) * s_og + (rows % T) * s_ot)[:, None] + d[None, :]
     tl.store(o, y.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (d < D)[None, :])
 
 
@@ -265,13 +277,16 @@ def decode_attention(
     v: torch.Tensor,
     positions: torch.Tensor,
     causal: bool = True,
+    token_major: bool = False,
     **options,
 ) -> torch.Tensor:
     """Masked softmax attention of a decode / verify block over the cache (Triton; see the module docstring).
 
     q (N, H, T, D); k, v (N, Hkv, S, D) with unit stride in D (e.g. ``KVCache.k[slot, :, :, :S]``, a view);
     positions (N, T) long on the device; bf16, fp16 or fp32 (q, k, v one dtype). Returns (N, H, T, D) in
-    q's dtype. options: see :func:`plan`. CPU tensors need Triton's interpreter.
+    q's dtype; with ``token_major`` (N, T, H, D) contiguous instead — the layout the output projection
+    reads, written by the kernel directly (no transposing copy after it). options: see :func:`plan`.
+    CPU tensors need Triton's interpreter.
     """
     from dflash2.runtime.kernels.triton_util import check_device
 
@@ -295,9 +310,15 @@ def decode_attention(
     qg = q.reshape(N, hkv, M, D)  # a view for a contiguous q: head j·G + g, row g·T + t
     if qg.stride(-1) != 1:
         qg = qg.contiguous()
-    out = torch.empty(N, hkv, M, D, dtype=q.dtype, device=q.device)
+    if token_major:  # out[n, t, j·G + g] for row g·T + t of K/V head j
+        out = torch.empty(N, T, H, D, dtype=q.dtype, device=q.device)
+        out_strides = (T * H * D, G * D, D, H * D)
+    else:  # (N, Hkv, M, D): row g·T + t of head j, i.e. (N, H, T, D)
+        out = torch.empty(N, hkv, M, D, dtype=q.dtype, device=q.device)
+        out_strides = (hkv * M * D, M * D, T * D, D)
+    shape = (N, T, H, D) if token_major else (N, H, T, D)
     if N == 0 or M == 0:
-        return out.view(N, H, T, D)
+        return out.view(shape)
     p = plan(N, hkv, M, S, D, q.device, **options)
     split = p["splits"] > 1
     if split:
@@ -331,6 +352,7 @@ def decode_attention(
         v.stride(2),
         positions.stride(0),
         positions.stride(1),
+        *out_strides,
         D=D,
         BLOCK_M=p["block_m"],
         BLOCK_N=p["block_n"],
@@ -351,10 +373,13 @@ def decode_attention(
             out,
             M,
             p["splits"],
+            hkv,
+            T,
+            *out_strides,
             D=D,
             BLOCK_R=block_r,
             BLOCK_S=block_s,
             BLOCK_D=p["block_d"],
             num_warps=4,
         )
-    return out.view(N, H, T, D)
+    return out.view(shape)

@@ -252,9 +252,9 @@ class Attention(nn.Module):
             eps=self.norm_eps,
             offset=self.norm_offset,
         )
-        y = kv.attend(slot, q, meta)  # (N, H, T, D)
         if self.output_gate:  # transpose, sigmoid gate and product in one launch on CUDA
+            y = kv.attend(slot, q, meta)  # (N, H, T, D)
             y = output_gate(y, split_qkv(qkv, self.h, self.hkv, self.hd, True)[1])  # gate (N, T, H, D), a view
-        else:
-            y = y.transpose(1, 2).reshape(N, T, self.h * self.hd)
+        else:  # (N, T, H, D) written by the attention kernel itself: no transposing copy
+            y = kv.attend(slot, q, meta, token_major=True).reshape(N, T, self.h * self.hd)
         return project(self.o_proj, y)
