@@ -74,7 +74,7 @@ def _check(res, batches):
         assert all(row["hf_prefix_equals_ar"])  # fp32 on the CPU: HF greedy == runtime AR
 
 
-def test_trained_pair_command_writes_results_and_is_lossless(pair_dirs, tmp_path, monkeypatch):
+def test_trained_pair_command_writes_results_and_is_lossless(pair_dirs, tmp_path, monkeypatch, caplog):
     assert importlib.import_module("eval.speedup").main is speedup_cli.main  # the `python -m` shim
     root, prompts = pair_dirs
     out = tmp_path / "out"
@@ -93,6 +93,7 @@ def test_trained_pair_command_writes_results_and_is_lossless(pair_dirs, tmp_path
     res = json.loads((out / "results.json").read_text())
     _check(res, [1, 2])
     assert res["random_weights"] is False and res["block_size"] == 4 and res["num_prompts"] == 2
+    assert "prompts: 2 of 16 prompts asked" in caplog.text  # the config's num_prompts, a 2-prompt file: said
     assert all(row["predicted"] == [] for row in res["batches"].values())  # a trained pair: measured only
     assert res["gdn"]["applicable"] and res["gdn"]["modes"] == ["reference"]  # the target is a hybrid
     assert all(row["gdn_mode"] == "reference" and "other_gdn_modes" not in row for row in res["batches"].values())

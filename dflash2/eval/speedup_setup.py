@@ -19,11 +19,14 @@ the runtime drafter (sharing the target's embedding and LM head).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from dflash2.errors import DFlash2Error
+
+log = logging.getLogger(__name__)
 
 # Qwen3-8B's config.json values (hidden, depth, heads, vocab, RoPE base), random weights
 QWEN3_8B = dict(
@@ -233,7 +236,7 @@ def trained_pair(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash2.drafter.io import load_drafter
-    from dflash2.eval.prompts import load_prompts
+    from dflash2.eval.prompts import prompt_set
     from dflash2.runtime import RuntimeDrafter, load_model
 
     drafter = load_drafter(str(drafter_dir), device=device, dtype=dtype)
@@ -242,13 +245,16 @@ def trained_pair(
     )
     hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype).to(device).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    ids = load_prompts(
+    chosen = prompt_set(
         str(prompts),
         tokenizer,
         num_prompts=num_prompts,
         prompt_tokens=prompt_tokens,
         prompts_per_document=prompts_per_document,
     )
-    ids = [list(map(int, p.ids)) for p in ids]
+    if chosen.info.get("shortfall"):  # fewer prompts than asked (a small held-out split, a short file): say so
+        sampled = chosen.info.get("set") in ("heldout", "ood")
+        log.warning("prompts: %s%s", chosen.info["shortfall"], " (prompts_per_document=2 or more cuts more)" * sampled)
+    ids = [list(map(int, p.ids)) for p in chosen.prompts]
     label = f"trained pair: target {target_dir}, drafter {drafter_dir}"
     return Pair(hf, target, RuntimeDrafter(drafter, target), ids, label, False, tokenizer.eos_token_id)
