@@ -49,7 +49,7 @@ def test_twin_matches_the_sequential_reference(T):
 
 def test_twin_with_vanishing_decay():
     """Gates of g ≈ −100 per token: the products γ_t underflow to 0 within a chunk and their ratios
-    would be 0/0; the decays as exp(G_t − G_s) stay finite and the outputs match."""
+    would be 0/0; the decays as exp of log-gate sums stay finite and the outputs match."""
     case = make_case(2, 16, GQA, seed=3)
     case["a"] = case["a"].abs() + 60.0
     case["A_log"] = case["A_log"].abs() + 0.5
@@ -65,7 +65,7 @@ def test_twin_with_vanishing_decay():
 @pytest.mark.parametrize(
     "T, heads, tiles",
     [
-        (1, GQA, {}),  # AR decode: a chunk of one token
+        (1, GQA, {}),  # AR decode: one token runs the sequential walk (a chunk pays only for T > 1)
         (5, GQA, dict(block_v=4)),  # odd head dims, 2 value slices per head (4 columns in a 16-wide tile)
         (16, (3, 3, 9, 5), {}),  # a full chunk, one key head per value head
         (37, (1, 2, 16, 16), {}),  # three chunks (prefill length): the state carried by the kernel
@@ -95,6 +95,35 @@ def test_kernel_with_vanishing_decay(device):
     o, log = gdn_verify_triton(**case, chunked=True)
     o_ref, log_ref = gdn_verify_reference(**case)
     assert torch.isfinite(o).all() and torch.isfinite(log.u).all()
+    torch.testing.assert_close(o, o_ref, **CHUNKED)
+    torch.testing.assert_close(log.u, log_ref.u, **CHUNKED)
+
+
+def _strong_then_weak(case):
+    """Log gates of −130 to −810 on tokens 0-3 and the case's own (≥ −50) after: the chunk's running sum of
+    log gates is then large while later tokens' decays are moderate, where exp(G_t − G_s) would lose
+    |G|·2⁻²⁴ of each exponent (the decays are summed per segment instead)."""
+    case["a"][:, :4] = case["a"][:, :4].abs() + 400.0
+    return case
+
+
+def test_twin_with_strong_gates_then_weak_ones():
+    case = _strong_then_weak(make_case(2, 16, GQA, seed=5))
+    o_ref, log_ref = gdn_verify_reference(**case)
+    assert log_ref.g[:, :4].max() < -100 and log_ref.g[:, 4:].min() > -50
+    o, log = gdn_verify_chunked_reference(**case)
+    torch.testing.assert_close(o, o_ref, **CHUNKED)
+    torch.testing.assert_close(log.u, log_ref.u, **CHUNKED)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kernel_with_strong_gates_then_weak_ones(device):
+    case = _strong_then_weak(make_case(2, 16, GQA, device=device, seed=5))
+    o, log = gdn_verify_triton(**case, chunked=True)
+    o_twin, log_twin = gdn_verify_chunked_reference(**case, dtype=torch.float64)
+    o_ref, log_ref = gdn_verify_reference(**case)
+    torch.testing.assert_close(o.double(), o_twin, **TWIN)
+    torch.testing.assert_close(log.u.double(), log_twin.u, **TWIN)
     torch.testing.assert_close(o, o_ref, **CHUNKED)
     torch.testing.assert_close(log.u, log_ref.u, **CHUNKED)
 

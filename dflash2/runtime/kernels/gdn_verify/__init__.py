@@ -162,7 +162,7 @@ def gdn_verify_triton(
         block_t=bt,
         stages=stages,
         split_out=bool(split_out) and stages > 0,
-        chunked=bool(chunked) and not native,
+        chunked=bool(chunked) and not native and T > 1,  # one token: the sequential walk is the cheaper one
         # registers: the recurrence's state tile (≤ ~64 fp32 per thread). The prep's (BT, d) conv tiles
         # are latency-bound at batch 1 (64 programs at the 9B shape for 132 SMs): 4 warps split each
         # program's loads four ways at no cost in occupancy; a first guess for the sweep to tune

@@ -8,10 +8,10 @@ commit's layout does not change. A program
    ``_fold_token`` in the same order, bit for bit the commit kernel's state), writes it back and
    zeroes its count;
 2. computes the block's outputs and logged u from that state S0 with matrix products per chunk of
-   BT = 16 tokens (the equations in chunked_reference.py): the decays exp(G_t − G_s) from the
-   cumsum of the log gates, KS0 and QS0 (BT × BV), KKᵀ and QKᵀ (BT × BT), the unit-lower-triangular
-   solve (I + A) U = B, then O = exp(G) ⊙ QS0 + (decay ⊙ QKᵀ)_{s≤t} U; blocks longer than one chunk
-   (prefill) carry S to the next chunk with one more product.
+   BT = 16 tokens (the equations in chunked_reference.py): the decays γ_t / γ_s = exp of the log
+   gates' sum over (s, t], each summed as its own segment, KS0 and QS0 (BT × BV), KKᵀ and QKᵀ
+   (BT × BT), the unit-lower-triangular solve (I + A) U = B, then O = exp(G) ⊙ QS0 + (decay ⊙ QKᵀ)_{s≤t} U;
+   blocks longer than one chunk (prefill) carry S to the next chunk with one more product.
 
 Why: the sequential walk is T dependent steps, each waiting for a d_k-long cross-warp reduction
 (hᵀk) before the next can start; at batch 1 that chain, not bandwidth, is the recurrence's time.
@@ -21,7 +21,9 @@ instead of 128-long ones across warps. Forward substitution, not an inverse by d
 ((I − A)(I + A²)(I + A⁴)(I + A⁸)): it is backward stable, while the powers of A can grow (entries up to
 C(15, 7) when the keys align) and cancel in fp32.
 
-Numerics: the same values up to fp32 rounding (the products sum in another order), so the logged u
+Numerics: the same values up to fp32 rounding (the products sum in another order; each decay's log is
+summed over its own segment, so its error scales with that segment's gates, not with the chunk's
+running sum: tests/test_runtime_gdn_chunked.py has strong gates followed by weak ones), so the logged u
 differ from what single-token decoding would compute at rounding level; the next verify's fold
 folds whatever u was logged, exactly as before. Every tl.dot is IEEE fp32 (no TF32). Tiles: the
 dots want every dim ≥ 16, so d_k is padded to BK ≥ 16 and the program's BV columns to a
@@ -137,8 +139,12 @@ def gdn_recur_chunk_kernel(
         gc = tl.load(g_in + tok * H + i_h, mask=m_t, other=0.0)  # (BT,)
         bc = tl.load(beta_in + tok * H + i_h, mask=m_t, other=0.0)
         G = tl.cumsum(gc, 0)  # log γ_t; padded tokens add 0, so G[BT-1] is the chunk's last real token's
-        # exp(G_t − G_s) ≤ 1 where s ≤ t; elsewhere exp(0), masked below (no overflow on the way)
-        decay = tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0))  # (BT, BT)
+        # log(γ_t / γ_s) = Σ_{s<r≤t} g_r summed as its own segment (a (BT, BT, BT) masked sum), not as
+        # G_t − G_s: after a strong early gate both G are large and the difference loses |G|·2⁻²⁴
+        seg = (o_t[None, None, :] > o_t[None, :, None]) & (o_t[None, None, :] <= o_t[:, None, None])  # [t, s, r]
+        D = tl.sum(tl.where(seg, gc[None, None, :], 0.0), axis=2)  # (BT, BT)
+        # exp(D) ≤ 1 where s ≤ t; elsewhere exp(0), masked below (no overflow on the way)
+        decay = tl.exp(tl.where(causal, D, 0.0))  # (BT, BT)
         gam = tl.exp(G)
         ks = tl.dot(kc, h, input_precision="ieee")  # (BT, BW): S0ᵀk_t per row
         qs = tl.dot(qc, h, input_precision="ieee")  # S0ᵀq_t: independent of the solve
@@ -157,7 +163,8 @@ def gdn_recur_chunk_kernel(
         tl.store(log_u + p_tv, U, mask=m_tv)
         if t0 + BT < T:  # the next chunk starts from S after this one (prefill-length blocks only)
             last = tl.sum(tl.where(o_t == BT - 1, G, 0.0), 0)
-            w = tl.exp(last - G)[:, None] * U  # (BT, BW)
+            tail = tl.sum(tl.where(o_t[:, None] == BT - 1, D, 0.0), 0)  # (BT,) Σ_{s<r≤BT-1} g_r
+            w = tl.exp(tail)[:, None] * U  # (BT, BW)
             h = tl.exp(last) * h + tl.dot(tl.trans(kc), w, input_precision="ieee")
 
 

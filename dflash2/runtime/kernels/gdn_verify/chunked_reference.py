@@ -61,8 +61,12 @@ def chunked_recurrence(
         C = vc.shape[2]
         G = gc.cumsum(-1)  # (N, H, C): log γ_t
         lower = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()  # [t, s]: s ≤ t
-        # exp(G_t − G_s) where s ≤ t; the other entries are never used (0 there, no overflow)
-        decay = torch.where(lower, G[..., :, None] - G[..., None, :], 0.0).exp() * lower
+        # log(γ_t / γ_s) = Σ_{s<r≤t} g_r summed as its own segment, not as G_t − G_s: after a strong early
+        # gate both G are large and their difference would lose |G|·2⁻²⁴ of the exponent
+        idx = torch.arange(C, device=v.device)
+        seg = (idx[None, None, :] > idx[None, :, None]) & (idx[None, None, :] <= idx[:, None, None])  # [t, s, r]
+        D = (gc[..., None, None, :] * seg).sum(-1)  # (N, H, C, C)
+        decay = torch.where(lower, D, 0.0).exp() * lower  # the other entries are never used (0 there)
         strict = lower.tril(-1)  # s < t: A's entries (its diagonal is the system's I)
         A = bc[..., None] * decay * (kc @ kc.transpose(-1, -2)) * strict
         B = bc[..., None] * (vc - G.exp()[..., None] * (kc @ h))
@@ -71,7 +75,8 @@ def chunked_recurrence(
         o[:, :, sl] = G.exp()[..., None] * (qc @ h) + (decay * (qc @ kc.transpose(-1, -2))) @ uc
         u[:, :, sl] = uc
         last = G[..., -1:]  # (N, H, 1)
-        h = last.exp()[..., None] * h + kc.transpose(-1, -2) @ ((last - G).exp()[..., None] * uc)
+        tail = D[..., -1, :]  # (N, H, C): Σ_{s<r≤C-1} g_r, the decay from token s to the chunk's end
+        h = last.exp()[..., None] * h + kc.transpose(-1, -2) @ (tail.exp()[..., None] * uc)
     return o.transpose(1, 2), u.transpose(1, 2), h
 
 
