@@ -6,6 +6,7 @@ The whole run through `train.py` in 1 and 2 processes: tests/test_multi_process_
 
 from __future__ import annotations
 
+import os
 import socket
 from types import SimpleNamespace
 
@@ -159,7 +160,9 @@ def _rank_grads(rank: int, init_file: str, out_file: str) -> None:
         predictions = (features[rows] @ head).argmax(-1)
         results["metrics"] = all_reduce_sum(block_metric_sums(predictions, labels[rows], mask[rows]))
         # the ranks are separate interpreters (_run_two_ranks): results go through a file each
-        torch.save(results, out_file if rank == 0 else f"{out_file}.rank{rank}")
+        final = out_file if rank == 0 else f"{out_file}.rank{rank}"
+        torch.save(results, f"{final}.tmp")  # then renamed: the runner takes an existing file as complete
+        os.replace(f"{final}.tmp", final)
     finally:
         dist.destroy_process_group()
 

@@ -75,6 +75,11 @@ def _check(res, batches):
 
 
 def test_trained_pair_command_writes_results_and_is_lossless(pair_dirs, tmp_path, monkeypatch, caplog):
+    from dflash2.eval import prompts as prompt_sets
+
+    seen = []
+    real_prompt_set = prompt_sets.prompt_set
+    monkeypatch.setattr(prompt_sets, "prompt_set", lambda *a, **kw: seen.append(kw) or real_prompt_set(*a, **kw))
     assert importlib.import_module("eval.speedup").main is speedup_cli.main  # the `python -m` shim
     root, prompts = pair_dirs
     out = tmp_path / "out"
@@ -94,6 +99,7 @@ def test_trained_pair_command_writes_results_and_is_lossless(pair_dirs, tmp_path
     _check(res, [1, 2])
     assert res["random_weights"] is False and res["block_size"] == 4 and res["num_prompts"] == 2
     assert "prompts: 2 of 16 prompts asked" in caplog.text  # the config's num_prompts, a 2-prompt file: said
+    assert seen and all(kw["prompts_per_document"] == 2 for kw in seen)  # the override reaches the loader
     assert all(row["predicted"] == [] for row in res["batches"].values())  # a trained pair: measured only
     assert res["gdn"]["applicable"] and res["gdn"]["modes"] == ["reference"]  # the target is a hybrid
     assert all(row["gdn_mode"] == "reference" and "other_gdn_modes" not in row for row in res["batches"].values())

@@ -60,6 +60,7 @@ def test_silu_mul(interpret, dtype):
 def test_output_gate(interpret, dtype, N, T, H, Hkv, D):
     """Gated attention's y · sigmoid(gate), with the gate a strided slice of a fused q|gate|k|v projection
     and y the attention's (N, H, T, D) output (as Attention.forward hands them), against the twin."""
+    assert kernel_devices(), "no device runs the kernel: TRITON_INTERPRET=1 (conftest) or a GPU"
     for device in kernel_devices():
         g = torch.Generator().manual_seed(N + T + D)
         qkv = torch.randn(N, T, 2 * H * D + 2 * Hkv * D, generator=g).to(device, dtype)

@@ -27,8 +27,9 @@ arranged for a decode step, which at batch 1 costs what its number of kernels co
   side of a local conv (its kernel add, shifted products and their sum: ``local_conv``); their
   twins, run on the CPU, are the eager ops, so the CPU stays bit for bit with the modules, and
   the kernels differ from them only in a norm's reduction order (last fp32 bit of rstd);
-* the drafter's modules are read for their weights once (:class:`DraftWeights`) and called
-  as they are for the MLP, fc, output projection and selector codebooks.
+* the drafter's modules are read for their weights once (:class:`DraftWeights`; the MLP's gate and
+  up stacked into one GEMM feeding the fused SwiGLU) and called as they are for the MLP's down
+  projection, fc, output projection and selector codebooks.
 
 A block ``[anchor, MASK × (B-1)]`` at positions lengths .. lengths+B-1 gives B-1 drafts
 (positions 1 .. B-1 through the target's LM head): argmax or the selector's greedy

@@ -8,8 +8,8 @@ fused q|gate|k|v projection — copied to be reshaped, its sigmoid, the product.
     out[n, t, h·D + d] = round(y[n, h, t, d] · round(sigmoid(gate[n, t, h, d])))
 
 rounded where the eager ``y * torch.sigmoid(gate)`` rounds (the sigmoid in fp32, back to the dtype,
-then the product). No reduction: on a GPU it equals the twin to the last bit unless the two
-sigmoids' fp32 values straddle a rounding boundary (one ulp).
+then the product). No reduction, but Triton's exp and division are not torch's: in fp32 the two
+differ by a few ulps, and in bf16 only where a sigmoid straddles a rounding boundary (one ulp).
 Shapes: y (N, H, T, D), gate (N, T, H, D), any strides → (N, T, H·D) contiguous, y's dtype.
 """
 

@@ -63,8 +63,9 @@ def _selector_walk_kernel(
     pred = tl.load(pcb_ptr + anchor * R + rr, mask=rm, other=0.0).to(tl.float32)
     # Why every load below is the position's own and none waits for the previous choice: the chosen
     # token's predecessor row is picked out of the candidates' rows (loaded with the position) by the
-    # choice, in registers, instead of being read from memory once the choice is known. A memory
-    # round trip per position was most of the walk (18 µs for 7 positions on an H200, one program).
+    # choice, in registers, instead of being read from memory once the choice is known. The walk took
+    # 18 µs for 7 positions on an H200 (one program); whether these loads now overlap the previous
+    # position's reductions is the compiler's choice, not measured yet: profile before claiming it.
     for pos in range(P):
         row = n * P + pos
         h = tl.load(hh_ptr + row * R + rr, mask=rm, other=0.0).to(tl.float32)
