@@ -227,3 +227,19 @@ def test_the_states_rope_rows_are_the_computed_ones_bit_for_bit(hf_targets, kind
             assert torch.equal(g.contiguous().view(bits), w.contiguous().view(bits))
     state = model.new_state(2, 48)
     assert state.rope[0].shape[0] == 48 and state.rope[0].dtype == model.embed.weight.dtype
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_taps_off_changes_nothing_but_the_taps(hf_targets, kind):
+    """taps=False (the engine's plain AR step): no taps computed, the same logits and caches."""
+    model = load_model(hf_targets[kind][1], target_layer_ids=[0, 1])
+    ids = torch.randint(0, 100, (2, 5), generator=torch.Generator().manual_seed(6))
+    outs = []
+    for taps in (True, False):
+        state = model.new_state(2, 16)
+        out = model(ids, state, taps=taps)
+        outs.append((out, state))
+    assert outs[0][0].taps is not None and outs[1][0].taps is None
+    assert torch.equal(outs[0][0].logits, outs[1][0].logits)
+    if outs[0][1].kv is not None:
+        assert torch.equal(outs[0][1].kv.k, outs[1][1].kv.k) and torch.equal(outs[0][1].kv.v, outs[1][1].kv.v)

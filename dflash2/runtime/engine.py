@@ -284,7 +284,8 @@ class Decoder:
             self.drafter.append(s.ctx, s.ctx.taps, s.commit_n)
 
     def _ar_forward(self, s: Slot, kv_len: int, params, generator) -> None:
-        logits = self.model(s.token[:, None], s.state, kv_len=kv_len).logits[:, 0]  # (Nb, V)
+        # taps=False: plain AR needs no drafter features (they were 5 extra launches per step at the pair's shape)
+        logits = self.model(s.token[:, None], s.state, kv_len=kv_len, taps=False).logits[:, 0]  # (Nb, V)
         s.nxt.copy_(choose(logits, params, generator))
 
     def _ar_accept(self, s: Slot) -> None:

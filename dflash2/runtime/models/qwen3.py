@@ -98,18 +98,20 @@ class Qwen3(RuntimeCausalLM):
         taps_out: torch.Tensor | None = None,
         logits_index: torch.Tensor | None = None,
         kv_len: int | None = None,
+        taps: bool = True,
     ) -> ModelOutput:
         """tokens (N, T) at positions state.lengths + 0..T-1; writes K/V there, commits nothing.
 
         taps_out: optional (N, T, K·d) buffer the taps are written into; logits_index: optional
         (N,) long, one position per row whose logits alone are computed (e.g. each row's last
-        prompt token at prefill); kv_len: see :meth:`DecodeState.step_meta`.
+        prompt token at prefill); kv_len: see :meth:`DecodeState.step_meta`; taps=False: no taps at all
+        (output ``taps`` None), e.g. a plain AR step, which must not pay for the drafter's features.
         """
         N, T = tokens.shape
         meta = state.step_meta(T, kv_len)
         h, delta = self.embed(tokens), None  # (N, T, d); a layer's output is h + delta
         rope = self.rotary(meta.positions, h.dtype, state.rope)  # cos, sin (N, 1, T, D)
-        taps = self._tap_buffer(N, T, taps_out, h)
+        taps = self._tap_buffer(N, T, taps_out, h) if taps else None
         for i, layer in enumerate(self.layers):
             h, delta = layer(h, delta, rope, state, i, meta)
             self._tap(taps, i, h, delta)

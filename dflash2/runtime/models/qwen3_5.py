@@ -173,6 +173,7 @@ class Qwen3_5(RuntimeCausalLM):
         taps_out: torch.Tensor | None = None,
         logits_index: torch.Tensor | None = None,
         kv_len: int | None = None,
+        taps: bool = True,
     ) -> ModelOutput:
         """tokens (N, T) at positions state.lengths + 0..T-1; nothing is committed (see ``state.commit``).
 
@@ -182,7 +183,7 @@ class Qwen3_5(RuntimeCausalLM):
         meta = state.step_meta(T, kv_len)
         h, delta = self.embed(tokens), None  # (N, T, d); a layer's output is h + delta
         rope = self.rotary(meta.positions, h.dtype, state.rope)  # cos, sin (N, 1, T, R)
-        taps = self._tap_buffer(N, T, taps_out, h)
+        taps = self._tap_buffer(N, T, taps_out, h) if taps else None
         for i, layer in enumerate(self.layers):
             h, delta = layer(h, delta, rope, state, self._slots[i], meta)
             self._tap(taps, i, h, delta)
