@@ -18,8 +18,9 @@ install:
 train: install
 	$(PYTHON) train.py $(ARGS)
 
+# --durations: the 25 slowest tests at the end of every run, to keep the suite well under 15 minutes
 test: install lint
-	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 # Lint + format check (ruff, configured in pyproject.toml); part of `make test`, so CI enforces it.
 # `make format` rewrites the tree in place.
