@@ -43,9 +43,10 @@ from dflash2.errors import DFlash2Error
 from dflash2.runtime.drafter import RuntimeDrafter
 from dflash2.runtime.graphs import BATCH_BUCKETS, PhaseGraphs, batch_bucket
 from dflash2.runtime.kernels.accept import greedy_accept
+from dflash2.runtime.kernels.sampled_accept import sampled_accept
 from dflash2.runtime.poll import LaggedPoll
-from dflash2.runtime.sampling import Proposal
-from dflash2.runtime.step import accept_sampled, choose, emit, prefill
+from dflash2.runtime.sampling import Proposal, accept_noise
+from dflash2.runtime.step import choose, emit, prefill
 
 KV_BUCKET = 64  # eager: attention reads the caches up to the longest row rounded up to this
 GRAPH_KV_BUCKET = 256  # graphs: one capture per bucket, so coarser (the extra cache read is small)
@@ -319,17 +320,14 @@ class Decoder:
             )  # fmt: skip
             s.step.add_(1)
             return
-        finish = dict(active=s.active, eos_token_id=s.eos, budget=s.limit - s.count)
-        acc = accept_sampled(s.probs, s.proposal, generator, **finish)
-        # rows that finish now commit nothing: they never decode again, and a frozen row's length stays
-        # ≤ prompt + emitted − 1, which is what the caches are sized for (a cut block commits more than it emits)
-        s.commit_n.copy_(torch.where(acc.finished, 0, acc.commit))
-        s.count.copy_(emit(s.out, s.count, acc.tokens, acc.num_emitted))
-        record = torch.stack([s.active.long(), acc.num_accepted, acc.num_emitted])  # (3, Nb)
-        s.log.index_copy_(0, s.step, record[None])
+        # T>0: rejection sampling and the same bookkeeping (kernels/sampled_accept.py: one launch on CUDA after
+        # the step's draws, made here in torch in the unfused order so that the generator advances alike)
+        u, race = accept_noise(s.probs, s.drafts.shape[1], generator)
+        sampled_accept(
+            s.probs, s.proposal, u, race, s.eos, s.active, s.count, s.limit, s.out, s.commit_n, s.token,
+            log=s.log, step=s.step,
+        )  # fmt: skip
         s.step.add_(1)
-        s.active.copy_(s.active & ~acc.finished)  # finished rows keep their anchor: their state is frozen
-        s.token.copy_(torch.where(s.active, acc.next_anchor, s.token))
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()

@@ -9,8 +9,8 @@ This runs a random target + drafter eagerly on the CPU (no graphs, no GPU needed
 that would be a kernel each on CUDA: every op the dispatcher runs except views and allocations
 (:func:`op_kind`). Calls that CUDA runs as fused Triton kernels (the target's and the drafter's norms and
 q/k norm + RoPE + cache writes, the sides of the drafter's local convs, SwiGLU, decode attention, the GDN
-verify, its gated output norm, the deferred GDN commit, the T=0 accept's bookkeeping) run their plain twins
-here; they count as the launches they are on CUDA (:data:`FUSED`), unless ``--raw``.
+verify, its gated output norm, the deferred GDN commit, the T=0 accept's bookkeeping, the T>0 accept) run their
+plain twins here; they count as the launches they are on CUDA (:data:`FUSED`), unless ``--raw``.
 Ops inside a drafter or target layer are also attributed to that layer (``draft`` per drafter layer,
 ``verify`` per target layer kind), and ``commit`` is split into the target's part and the drafter
 context append.
@@ -222,6 +222,7 @@ FUSED = (
     ("dflash2.runtime.gdn_state", "GDNState.verify", 2),
     ("dflash2.runtime.gdn_state", "GDNState.commit", 1),
     ("dflash2.runtime.kernels.accept", "greedy_accept_ref", 1),  # the T=0 accept's bookkeeping
+    ("dflash2.runtime.kernels.sampled_accept", "sampled_accept_ref", 1),  # the T>0 accept after its draws
     # the selector's top-k: torch.topk on the CPU, kernels/topk.py's two launches on CUDA (V > its chunk)
     ("dflash2.drafter.selector", "CandidateSelector.top_candidates", 2),
 )

@@ -79,30 +79,66 @@ def rejection_accept_proposal(
     full accept draw the bonus from p_P. A sparse q is subtracted at its k ids only, never densified.
     Same random draws in the same order and the same float operations as the reference, so for one
     generator state the result is the reference's on the densified q; no host sync.
+    (The engine's accept runs kernels/sampled_accept.py instead: the same draws, the residual left
+    unnormalised; see there.)
     """
+    proposal = with_q(proposal)
+    u = torch.rand(proposal.tokens.shape, generator=generator, device=p.device, dtype=torch.float32)
+    a = accepted_prefix(p, proposal, u)
+    resid, p_a = residual(p, proposal, a)
+    mass = resid.sum(-1, keepdim=True)
+    # mass == 0 only when p_a == q_a, where a rejection has probability 0 (rounding): fall back to p
+    resid = torch.where(mass > 0, resid / mass.clamp_min(1e-30), p_a)
+    return a, sample(resid, generator)
+
+
+# ----------------------------------------------------------------------------- its pieces
+def with_q(proposal: Proposal) -> Proposal:
+    """The proposal with a q: argmax drafts (no q) become point masses (k = 1)."""
     if proposal.dense is None and proposal.ids is None:
-        proposal = Proposal.point_mass(proposal.tokens)
+        return Proposal.point_mass(proposal.tokens)
+    return proposal
+
+
+def accept_noise(p: torch.Tensor, P: int, generator: torch.Generator | None = None):
+    """The random draws of one T>0 accept, in :func:`rejection_accept_proposal`'s order and shapes, so that
+    a generator advances alike on either path: the uniforms u (N, P) fp32, then the exponential race
+    (N, V) fp32 of the bonus draw (:func:`sample` on an (N, V) fp32 residual). p (N, P+1, V)."""
+    N, V = p.shape[0], p.shape[-1]
+    u = torch.rand((N, P), generator=generator, device=p.device, dtype=torch.float32)
+    race = torch.empty((N, V), device=p.device, dtype=torch.float32).exponential_(1, generator=generator)
+    return u, race
+
+
+def accepted_prefix(p: torch.Tensor, proposal: Proposal, u: torch.Tensor) -> torch.Tensor:
+    """a (N,) long in [0, P]: drafts accepted while u_i · q_i(d_i) < p_i(d_i) (accept with prob min(1, p/q)).
+
+    p (N, P+1, V); proposal with a q (:func:`with_q`); u (N, P) fp32 uniforms."""
     drafts, q = proposal.tokens, proposal.dense
-    P, V = drafts.shape[-1], p.shape[-1]
+    P = drafts.shape[-1]
     px = p[..., :P, :].gather(-1, drafts[..., None])[..., 0]  # (N, P) p_i(d_i)
     if q is not None:
         qx = q.gather(-1, drafts[..., None])[..., 0]  # (N, P) q_i(d_i)
     else:
         qx = (proposal.probs.float() * (proposal.ids == drafts[..., None])).sum(-1)  # exactly one id matches
-    u = torch.rand(px.shape, generator=generator, device=p.device, dtype=torch.float32)
-    a = (u * qx < px).long().cumprod(dim=-1).sum(dim=-1)  # (N,) accepted prefix
+    return (u * qx < px).long().cumprod(dim=-1).sum(dim=-1)
+
+
+def residual(p: torch.Tensor, proposal: Proposal, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bonus's unnormalised law max(0, p_a − q_a) (N, V) fp32, and p_a (N, V) fp32 itself.
+
+    p (N, P+1, V); proposal with a q; a (N,) accepted drafts. After a full accept (a == P) q is zero
+    there and the residual is p_P. Each entry is one fp32 subtraction (p − 0 = p off a sparse q's ids)."""
+    P, V = proposal.tokens.shape[-1], p.shape[-1]
     p_a = p.float().gather(-2, a[:, None, None].expand(-1, 1, V))[:, 0]  # (N, V)
-    # q at position a; after a full accept (a == P) q is zero there and the residual is p_P itself
+    if P == 0:  # no drafts (an AR step): no q to gather from
+        return p_a.clamp_min(0.0), p_a
     at, keep = a.clamp(max=max(P - 1, 0))[:, None, None], (a < P)[:, None]
-    if q is not None:
-        resid = p_a - q.float().gather(-2, at.expand(-1, 1, V))[:, 0] * keep
+    if proposal.dense is not None:
+        resid = p_a - proposal.dense.float().gather(-2, at.expand(-1, 1, V))[:, 0] * keep
     else:
         k = proposal.ids.shape[-1]
         ids_a = proposal.ids.gather(-2, at.expand(-1, 1, k))[:, 0]  # (N, k)
         probs_a = proposal.probs.float().gather(-2, at.expand(-1, 1, k))[:, 0] * keep
         resid = p_a.scatter_add(-1, ids_a, -probs_a)  # p_a − q_a: only k entries change
-    resid = resid.clamp_min(0.0)
-    mass = resid.sum(-1, keepdim=True)
-    # mass == 0 only when p_a == q_a, where a rejection has probability 0 (rounding): fall back to p
-    resid = torch.where(mass > 0, resid / mass.clamp_min(1e-30), p_a)
-    return a, sample(resid, generator)
+    return resid.clamp_min(0.0), p_a

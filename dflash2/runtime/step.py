@@ -118,7 +118,8 @@ def accept_sampled(p: torch.Tensor, proposal: Proposal, generator=None, **finish
 
     proposal: the drafts (N, P) and their q (sparse, dense, or none = argmax drafts, a point mass).
     Keyword arguments: see :func:`finish_step`. Rows that are inactive draw too (fixed shapes) and
-    their draws are discarded.
+    their draws are discarded. (The engine's accept is kernels/sampled_accept.py: the same draws and
+    the same law, in one launch on CUDA.)
     """
     a, bonus = rejection_accept_proposal(p, proposal, generator)
     return finish_step(a, bonus, proposal.tokens, **finish)
