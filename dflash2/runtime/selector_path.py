@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from dflash2.runtime.kernels import use_triton
 from dflash2.runtime.kernels.selector import selector_walk
+from dflash2.runtime.kernels.selector_sample import selector_sample_walk
 from dflash2.runtime.kernels.topk import topk_rows
 from dflash2.runtime.sampling import Proposal, sample
 
@@ -104,9 +105,21 @@ def selector_sample_sparse(selector, hidden, logits, anchor, temperature: float,
 
     hidden (N, P, d), logits (N, P, V) fp32, anchor (N,). Same draws in the same order as
     ``CandidateSelector.sample_path`` (position by position from softmax(edge scores / T) given the
-    sampled predecessor), whose dense q is this proposal's ``densify``.
+    sampled predecessor), whose dense q is this proposal's ``densify``: bit for bit on the CPU; on CUDA
+    (kernels on) the walk is one Triton launch (kernels/selector_sample.py) after the same draws and one
+    GEMM of all positions' hidden projections, its q the exact law of its own draws.
     """
-    walk = SelectorWalk(selector, hidden, *block_candidates(selector, logits), anchor)
+    cand_ids, unary = block_candidates(selector, logits)
+    if use_triton(hidden):
+        # the races first, P draws of (N, k) in the order the walk below draws them (the generator advances
+        # alike), then one GEMM of all positions' hidden projections and one launch for the walk
+        N, P, k = cand_ids.shape
+        fresh = [torch.empty(N, k, dtype=torch.float32, device=logits.device) for _ in range(P)]
+        races = torch.stack([r.exponential_(1, generator=generator) for r in fresh])  # (P, N, k)
+        hh, pcb, scb = selector.hidden_projection(hidden), selector.predecessor_codebook, selector.successor_codebook
+        tokens, probs = selector_sample_walk(hh, cand_ids, unary, anchor, pcb, scb, temperature, races)
+        return Proposal(tokens, cand_ids, probs)
+    walk = SelectorWalk(selector, hidden, cand_ids, unary, anchor)
     choices, probs = [], []
     for pos in range(walk.positions):
         prob = F.softmax(walk.scores(pos) / temperature, dim=-1)  # (N, k)
