@@ -8,6 +8,7 @@ benchmark page is built from, and that speculative output equals the runtime's A
 
 import importlib
 import json
+import math
 import sys
 
 import pytest
@@ -67,6 +68,13 @@ def _check(res, batches):
         for key in ("hf", "ar", "spec"):
             assert row[key]["ms_per_step"]["median"] > 0 and row[key]["tokens_per_s"]["median"] > 0
             assert "sequences" not in row[key]
+        for key in ("ar", "spec"):  # per generation: its wall time, the part outside the decode steps
+            r = row[key]
+            outside, whole, mean = (r[k]["median"] for k in ("outside_steps_ms", "generation_ms", "mean_step_ms"))
+            assert all(math.isfinite(v) for v in (outside, whole, mean)), r
+            # the steps lie inside the generation's wall time, and it has steps: the rest is less than all of it
+            assert 0 <= outside < whole and 0 < mean < whole
+            assert r["outside_steps_ms"]["n"] == r["ms_per_step"]["n"]  # one figure per run
         assert set(row["spec"]["phases_ms"]) == {"draft", "verify", "accept", "commit", "gap"}
         assert {"verify", "accept", "commit"} <= set(row["ar"]["phases_ms"])
         assert row["spec"]["tau"] >= 1 and row["lossless"] is True and row["divergence"] is None
@@ -98,6 +106,7 @@ def test_trained_pair_command_writes_results_and_is_lossless(pair_dirs, tmp_path
     res = json.loads((out / "results.json").read_text())
     _check(res, [1, 2])
     assert res["random_weights"] is False and res["block_size"] == 4 and res["num_prompts"] == 2
+    assert res["prefill_graph_tokens"] == 0  # the default: eager prefill
     assert "prompts: 2 of 16 prompts asked" in caplog.text  # the config's num_prompts, a 2-prompt file: said
     assert seen and all(kw["prompts_per_document"] == 2 for kw in seen)  # the override reaches the loader
     assert all(row["predicted"] == [] for row in res["batches"].values())  # a trained pair: measured only
@@ -106,6 +115,7 @@ def test_trained_pair_command_writes_results_and_is_lossless(pair_dirs, tmp_path
     md = (out / "results.md").read_text()
     assert "| 2 | runtime spec (reference) | 2 prompts (1×2) |" in md and "lossless" in md
     assert "| 1 | runtime AR (reference) | 2 prompts (2×1) |" in md and "| 1 | HF generate | 1 prompt (1×1) |" in md
+    assert "| mean step | outside steps / generation |" in md and "Prefill: eager." in md
     pytest.importorskip("matplotlib")
     assert (out / "step_breakdown.png").stat().st_size > 0
 
@@ -134,6 +144,33 @@ def test_random_shape_predicts_and_labels_it(tmp_path, monkeypatch):
     assert gdn == {"applicable": False, "requested": ["replay", "native"], "reason": "the target has no GDN layers"}
     assert res["batches"]["1"]["gdn_mode"] is None and "other_gdn_modes" not in res["batches"]["1"]
     assert "| 1 | runtime spec |" in md and "not applicable" in md
+
+
+def test_bucketed_prefill_is_passed_on_and_recorded(tmp_path, monkeypatch, capsys):
+    """prefill_graph_tokens reaches every Decoder (on the CPU: the padded prefill, eagerly), is recorded, and
+    the run stays lossless; the per-batch line reports the time outside the steps."""
+    from dflash2.runtime import Decoder
+
+    made = []
+    real_init = Decoder.__init__
+    monkeypatch.setattr(Decoder, "__init__", lambda self, *a, **kw: made.append(kw) or real_init(self, *a, **kw))
+    out = tmp_path / "out"
+    overrides = ["shape=tiny", "batch_sizes=[1]", "max_new_tokens=6", "hf_new_tokens=2", "block_size=4"]
+    _cli(
+        monkeypatch,
+        *overrides,
+        "drafter_layers=1",
+        "prompt_tokens=6",
+        "prefill_graph_tokens=16",
+        f"paths.output_dir={out}",
+    )
+    res = json.loads((out / "results.json").read_text())
+    _check(res, [1])
+    assert res["prefill_graph_tokens"] == 16 and made and all(kw["prefill_graph_tokens"] == 16 for kw in made)
+    md = (out / "results.md").read_text()
+    assert "Prefill: padded to a bucket for prompts ≤ 16 tokens, a CUDA graph on a GPU (longer: eager)." in md
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("batch 1"))
+    assert "; outside steps AR " in line and " ms per generation" in line
 
 
 def test_unknown_gdn_mode_is_one_line(pair_dirs, monkeypatch, capsys, tmp_path):

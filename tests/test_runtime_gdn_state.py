@@ -142,6 +142,22 @@ def test_gdn_verify_matches_hf_functions():
     torch.testing.assert_close(s.conv[0], hf_conv[..., 1:], rtol=0, atol=0)
 
 
+def test_a_tokens_gates_do_not_depend_on_its_block():
+    """Token t's decay and β have the same bits in a block of any length as alone (an AR step): a prefill
+    padded to a bucket and a verify block see the same gates as single-token decoding. (One call over
+    (N, T, H) did not: ATen's vectorised softplus / sigmoid and its scalar tail round differently.)"""
+    g = torch.Generator().manual_seed(3)
+    for n, h in ((1, 3), (3, 4), (4, 7)):
+        proj = torch.randn(n, 23, 2 * h + 5, generator=g)  # a, b as slices of a fused projection, as the model
+        a_log, dt_bias = torch.randn(h, generator=g), torch.randn(h, generator=g)
+        for T in (2, 16, 23):
+            a, b = proj[:, :T, 5 : 5 + h], proj[:, :T, 5 + h :]
+            decay, beta = gdn_gates(a, b, a_log, dt_bias)
+            for t in range(T):
+                one = gdn_gates(a[:, t : t + 1], b[:, t : t + 1], a_log, dt_bias)
+                assert torch.equal(one[0][:, 0], decay[:, t]) and torch.equal(one[1][:, 0], beta[:, t]), (n, h, T, t)
+
+
 def test_verify_keeps_bf16_inputs_and_fp32_state():
     """Model-dtype logs/outputs, fp32 recurrence: o comes back in x's dtype, the state stays fp32."""
     x, w, gates = _inputs(seed=7)

@@ -18,9 +18,14 @@ Each is warmed up (a full pass over the batches: graphs captured, kernels compil
 step time (over the steps of all its batches), tokens/s (generated tokens of all rows over the
 batches' summed wall time, prefills included), τ (over all rows) and the step-time breakdown
 (draft / verify / accept / commit = rollback, and the host gap between steps, from CUDA events
-between phases). The weight-read bound is the model's weight bytes (one read per step) over the
-device-to-device copy bandwidth measured in the same run; the AR step's fraction of it and the
-achieved GB/s are printed beside. Lossless: (c) must equal (b) token for token on every row of
+between phases), the mean step time beside the median, and the time each generation spends outside
+its decode steps (``outside_steps_ms``: the pass's wall time less the sum of its step times, per
+generation — the prefill, the setup before it and the read-back after the steps). With
+``prefill_graph_tokens`` > 0 the Decoders prefill prompts up to that width as CUDA graphs
+(runtime/prefill.py; recorded in the results); the warm-up then runs twice, so that every prefill
+graph is captured before the timed runs. The weight-read bound is the model's weight bytes (one
+read per step) over the device-to-device copy bandwidth measured in the same run; the AR step's
+fraction of it and the achieved GB/s are printed beside. Lossless: (c) must equal (b) token for token on every row of
 every batch; the first divergence is reported with its row and prompt index (over all rows, not
 within its batch) and the target's logit margin between the two tokens in the run's dtype.
 Random-weight shapes give real step times but meaningless τ: speedups there are predictions from a
@@ -177,9 +182,14 @@ def time_runtime(
     a generator seeded with ``seed``.
 
     Per pass: tokens/s = new tokens of all rows / the batches' summed wall time (prefills included);
-    ms/step and each phase = the median over the steps of all batches. τ (spec) = tokens emitted by
+    ms/step and each phase = the median over the steps of all batches, mean_step_ms their mean;
+    generation_ms = the wall time per generation (batch) and outside_steps_ms = the part of it outside the
+    decode steps: (the batches' summed wall time − the sum of their step times) / batches, i.e. prefill,
+    setup and read-back (wall time on the host, step times from CUDA events; the steps lie inside the wall
+    time, so 0 ≤ outside ≤ generation, up to the two clocks' resolution). τ (spec) = tokens emitted by
     verify steps / verify steps, over all rows of the last pass; sequences: its rows in ``prompts``' order.
-    ``progress`` advances by one per timed batch."""
+    ``progress`` advances by one per timed batch. The warm-up is one pass, two when the Decoder graphs its
+    prefill (one prefill per generation: the second pass captures it)."""
     sampled = is_sampled(sampling)
     params = dict(sampling or GREEDY)
     batches = split_batches(list(prompts), batch_size or len(prompts))
@@ -193,9 +203,13 @@ def time_runtime(
             return res.sequences, res
         return dec.generate_ar(batch, new_tokens, **kw), None
 
-    for batch in batches:  # warm-up: first uses run eagerly, second uses capture (each batch bucket)
-        gen(batch)
+    # warm-up: first uses run eagerly, second uses capture (each batch bucket); a prefill runs once per
+    # generation, so a graphed one is captured by a second pass
+    for _ in range(2 if getattr(dec, "prefill_graph_tokens", 0) > 0 else 1):
+        for batch in batches:
+            gen(batch)
     per_run, walls, toks, outs = [], [], [], []
+    mean_steps, generation, outside = [], [], []
     for _ in range(runs):
         timers, outs, wall = [], [], 0.0
         for batch in batches:
@@ -210,12 +224,20 @@ def time_runtime(
             if progress is not None:
                 progress.update(1)
         dec.timer = None
-        per_run.append({k: statistics.median(v) for k, v in _pooled(timers).items()})
+        pooled = _pooled(timers)
+        per_run.append({k: statistics.median(v) for k, v in pooled.items()})
+        steps = pooled.get("step", [])
+        mean_steps.append(statistics.fmean(steps) if steps else 0.0)
+        generation.append(wall * 1e3 / len(batches))
+        outside.append((wall * 1e3 - sum(steps)) / len(batches))
         walls.append(wall)
         toks.append(sum(len(seq) for seqs, _ in outs for seq in seqs))
     out = {
         "ms_per_step": _stats([r["step"] for r in per_run]),
+        "mean_step_ms": _stats(mean_steps),
         "tokens_per_s": _stats([t / w for t, w in zip(toks, walls)]),
+        "generation_ms": _stats(generation),
+        "outside_steps_ms": _stats(outside),
         "phases_ms": {p: _stats([r[p] for r in per_run]) for p in PHASES if all(p in r for r in per_run)},
         "new_tokens": new_tokens,
         "decoded": decoded(list(prompts), batches),
@@ -374,6 +396,7 @@ def run_speedup(
     extra: dict | None = None,
     sampling: dict | None = None,
     seed: int = 0,
+    prefill_graph_tokens: int = 0,
 ) -> dict:
     """Measure (a), (b), (c) for each batch size on ``pair`` (speedup_setup.Pair); write results if output_dir.
 
@@ -389,7 +412,8 @@ def run_speedup(
     check compares tokens); temperature > 0 (with top_k, top_p) samples every method, each generation from
     a generator seeded with ``seed``: tokens/s and τ are measured, and no token comparison is made (sampled
     outputs of two methods differ by design; the runtime's T>0 distribution is checked by
-    tests/test_runtime_sampling.py's chi-square tests)."""
+    tests/test_runtime_sampling.py's chi-square tests). prefill_graph_tokens: every Decoder's (0: eager prefill;
+    > 0: prompts up to that width prefilled as CUDA graphs, runtime/prefill.py), recorded in the results."""
     target, drafter = pair.target, pair.drafter
     device = target.embed.weight.device
     B = drafter.block_size
@@ -411,6 +435,7 @@ def run_speedup(
         "bound_ms_per_step": bound_ms,
         "sampling": dict(sampling or GREEDY),
         "num_prompts": len(pair.prompts),  # every runtime row decodes all (see each method's ``decoded``)
+        "prefill_graph_tokens": int(prefill_graph_tokens),  # 0: eager prefill
         **(extra or {}),
         "attention": attention_in_use(device),  # what decode blocks ran (prefill: SDPA), fallbacks applied
         "gemm": gemm_in_use(device),  # what the target's decode-sized projections ran, fallbacks applied
@@ -438,7 +463,8 @@ def run_speedup(
         if progress is not None and mode is not None:
             progress.set_description(f"timed generations, GDN {mode}")
         with speedup_gdn.gdn_mode(target, mode, gdn_kernel_options):
-            dec = Decoder(target, drafter, max_len=max_len)  # new states (and graphs) in this mode
+            # new states (and graphs) in this mode
+            dec = Decoder(target, drafter, max_len=max_len, prefill_graph_tokens=prefill_graph_tokens)
             for N in batch_sizes:
                 prompts = prompts_of[N]
                 sub = _measure_mode(dec, prompts, *measured, batch_size=N, prompt_index=index_of[N])
@@ -461,7 +487,7 @@ def run_speedup(
                     # the same graphs with the eager twins inside and SDPA attention: what our Triton kernels buy;
                     # on the first prompt only (a step-time figure at batch 1; its ``decoded`` says so)
                     with kernels.kernels(False):
-                        plain = Decoder(target, None, max_len=max_len)
+                        plain = Decoder(target, None, max_len=max_len, prefill_graph_tokens=prefill_graph_tokens)
                         results["ablation_ar_batch1_no_fused_kernels"] = {
                             **_strip(
                                 time_runtime(plain, pair.prompts[:1], max_new_tokens, runs, False, None, sampling, seed)
@@ -568,5 +594,6 @@ def _row_line(N: int, row: dict, bound_ms: float, mode: str | None = None) -> st
         f"batch {N}{gdn}, {decoded_text(spec['decoded'])}: {hf}AR {ar['ms_per_step']['median']:.3f} ms/step "
         f"({row['ar_fraction_of_bound']:.0%} of bound "
         f"{bound_ms:.3f}), spec {spec['ms_per_step']['median']:.3f} ms/step tau {spec['tau']:.2f}, "
-        f"verify/AR {row['verify_over_ar_step']:.2f}, lossless {lossless_text(row['lossless'])}"
+        f"verify/AR {row['verify_over_ar_step']:.2f}, lossless {lossless_text(row['lossless'])}; outside steps "
+        f"AR {ar['outside_steps_ms']['median']:.2f} / spec {spec['outside_steps_ms']['median']:.2f} ms per generation"
     )

@@ -31,6 +31,23 @@ def _gemm(name: str) -> str:
     return "skinny (prefill > 128 rows: cuBLAS)" if name == "skinny" else name
 
 
+def _prefill(tokens: int) -> str:
+    """How the runtime prefilled, as the header says it."""
+    return (
+        f"padded to a bucket for prompts ≤ {tokens} tokens, a CUDA graph on a GPU (longer: eager)"
+        if tokens
+        else "eager"
+    )
+
+
+def _outside(r: dict) -> str:
+    """A method's time outside its decode steps per generation, of its wall time per generation ('—' if not
+    recorded: older results)."""
+    if "outside_steps_ms" not in r:
+        return "—"
+    return f"{r['outside_steps_ms']['median']:.2f} of {r['generation_ms']['median']:.2f}"
+
+
 def _fmt(s: dict, digits: int = 2) -> str:
     return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}–{s['max']:.{digits}f}]"
 
@@ -45,7 +62,8 @@ def markdown(results: dict) -> str:
         f"weights read per step {results['weight_bytes'] / 1e9:.4g} GB, copy bandwidth "
         f"{results['copy_bandwidth_GBps']:.0f} GB/s (measured in this run) -> bound {bound:.3f} ms/step. "
         "Median [min–max] over runs. Decoded: the prompts each method decoded (rows beyond them are repeats) "
-        "and its batches; the runtime decodes every prompt at every batch size, HF generate the first batch.",
+        "and its batches; the runtime decodes every prompt at every batch size, HF generate the first batch. "
+        f"Prefill: {_prefill(results.get('prefill_graph_tokens', 0))}.",
         "",
         "| batch | method | decoded | ms/step | tokens/s | τ | weight GB/s | % of bound | lossless |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -66,13 +84,25 @@ def markdown(results: dict) -> str:
                 f"{_fmt(r['tokens_per_s'], 1)} | {tau} | "
                 f"{gbps:.4g} | {frac} | {lossless} |"
             )
-    lines += ["", "Step breakdown (ms, median over runs of the per-run median over the steps of all batches):", ""]
-    lines += ["| batch | method | " + " | ".join(PHASES) + " |", "|---|---|" + "---|" * len(PHASES)]
+    lines += [
+        "",
+        "Step breakdown (ms, median over runs of the per-run median over the steps of all batches; mean step: "
+        "of the per-run mean instead; outside steps: per generation, its wall time outside the decode steps — "
+        "prefill, setup, read-back — of its whole wall time):",
+        "",
+    ]
+    lines += [
+        "| batch | method | " + " | ".join(PHASES) + " | mean step | outside steps / generation |",
+        "|---|---|" + "---|" * (len(PHASES) + 2),
+    ]
     for N, row in results["batches"].items():
         for mode, sub in speedup_gdn.mode_rows(row):
             for key in ("ar", "spec"):
-                ph = sub[key]["phases_ms"]
+                r = sub[key]
+                ph = r["phases_ms"]
                 cells = [f"{ph[p]['median']:.3f}" if p in ph else "—" for p in PHASES]
+                cells.append(f"{r['mean_step_ms']['median']:.3f}" if "mean_step_ms" in r else "—")
+                cells.append(_outside(r))
                 lines.append(f"| {N} | {_label(key, mode)} | " + " | ".join(cells) + " |")
     lines.append("")
     for N, row in results["batches"].items():

@@ -16,7 +16,8 @@ Plain PyTorch, device-agnostic, no Lightning/Hydra. What exists now:
 - :mod:`dflash2.runtime.kernels`: fused Triton kernels of the step (norm, RoPE + cache write, SwiGLU)
   with plain-PyTorch twins;
 - :mod:`dflash2.runtime.engine`: :class:`~dflash2.runtime.engine.Decoder` (reusable per-bucket slots,
-  phases captured as CUDA graphs, :mod:`dflash2.runtime.graphs`) and the one-off
+  phases captured as CUDA graphs, :mod:`dflash2.runtime.graphs`; short prompts' prefill optionally
+  too, :mod:`dflash2.runtime.prefill`) and the one-off
   :func:`generate_ar` / :func:`generate_spec`, batched and ragged.
 """
 

@@ -3,6 +3,7 @@
 Both take a batch of N prompts of any lengths and run every row in the same tensors:
 
     prefill      one forward of the right-padded prompts; row r commits its own length
+                 (short prompts: optionally padded to a bucket and run as a CUDA graph, prefill.py)
     per step     [draft]  verify  accept  commit          (phases; step.py, drafter.py)
 
 Rows are ragged throughout: lengths live on the device, each row advances by its own
@@ -18,7 +19,9 @@ the host never waits for the step it just launched (poll.py).
 context and every loop buffer (last token, counts, budgets, EOS ids, output, step
 log) at fixed addresses, reused by every generation of that bucket. Each phase is a
 function of the slot alone, so with ``graphs=True`` (CUDA) each is captured once per
-(bucket, phase, attended-length bucket) and replayed afterwards (graphs.py). A batch
+(bucket, phase, attended-length bucket) and replayed afterwards (graphs.py); with
+``prefill_graph_tokens`` > 0 so is the prefill of prompts up to that width, per (bucket,
+prompt-width bucket). A batch
 of N rows runs in the slot of ``batch_bucket(N)``; the padding rows are inactive
 from the start. T>0 phases are captured too: on CUDA they draw from the Decoder's own
 generator, registered with every graph (a replay advances it as the eager call would),
@@ -45,6 +48,7 @@ from dflash2.runtime.graphs import BATCH_BUCKETS, PhaseGraphs, batch_bucket
 from dflash2.runtime.kernels.accept import greedy_accept
 from dflash2.runtime.kernels.sampled_accept import sampled_accept
 from dflash2.runtime.poll import LaggedPoll
+from dflash2.runtime.prefill import bucketed_prefill, prefill_bucket
 from dflash2.runtime.sampling import Proposal, accept_noise
 from dflash2.runtime.step import choose, emit, prefill
 
@@ -80,7 +84,8 @@ class Slot:
     input / anchor); nxt (Nb,) the AR step's choice; count / limit (Nb,) emitted tokens and budget;
     active (Nb,) bool; commit_n (Nb,) tokens the step commits; eos (EOS_SLOTS,) ids (-1 = none);
     out (Nb, W) emitted tokens; drafts (Nb, B-1), argmax (Nb, B) of the verify; log (S, 3, Nb)
-    per step (was active, accepted drafts, emitted) with its device counter ``step`` (1,).
+    per step (was active, accepted drafts, emitted) with its device counter ``step`` (1,);
+    prefill: the bucketed prefill's buffers (prefill.PrefillBuffers), made on its first use.
     """
 
     def __init__(self, model, drafter, Nb: int, max_len: int, graphs: PhaseGraphs, poll_lag: int = 0):
@@ -105,6 +110,7 @@ class Slot:
         self.log = torch.zeros(max_len + 1, 3, Nb, **z)
         self.step = torch.zeros(1, **z)
         self.proposal = self.probs = None  # T>0 hand-over between phases, in buffers of `keep`
+        self.prefill = None  # prefill.PrefillBuffers, made by the first bucketed prefill
         self._kept: dict[tuple, torch.Tensor] = {}
 
     def keep(self, name: str, t: torch.Tensor | None) -> torch.Tensor | None:
@@ -166,6 +172,12 @@ class Decoder:
     ``batch_bucket(N)`` (default: with graphs; eagerly a slot of exactly N rows wastes no work).
     poll_lag: steps between a step and the host's read of its (any active, longest row) (poll.py;
     default 1 on CUDA, so the host never waits for the step it just launched, 0 on the CPU).
+    prefill_graph_tokens: 0 (the default) = the prefill runs eagerly at the prompts' own width; > 0 = a
+    batch whose padded prompt width P is ≤ this is padded to ``prefill.prefill_bucket(P)`` (a power of two
+    ≥ 16; it must fit in max_len) and prefilled as a phase of its own, keyed by that width: captured and
+    replayed like the step phases when graphs are on, run eagerly (the same padded computation) when they
+    are off. Why: a short prompt's eager prefill is bound by its launches (prefill.py). Opt-in until it
+    is measured on a GPU.
     Attributes set by callers: ``timer`` (a :class:`~dflash2.runtime.graphs.PhaseTimer` or None) and
     ``on_step`` (called with the slot after each step: progress bars, tests).
     """
@@ -180,6 +192,7 @@ class Decoder:
         pad: bool | None = None,
         buckets=BATCH_BUCKETS,
         poll_lag: int | None = None,
+        prefill_graph_tokens: int = 0,
     ):
         if drafter is not None and not hasattr(drafter, "propose"):  # a DFlashDrafter or its folder
             drafter = RuntimeDrafter(drafter, model)
@@ -194,6 +207,9 @@ class Decoder:
         # that the GPU always has the next step queued; on the CPU nothing runs ahead of the host anyway
         self.poll_lag = (1 if cuda else 0) if poll_lag is None else int(poll_lag)
         self.pad = self.graphs if pad is None else bool(pad)
+        if prefill_graph_tokens < 0:
+            raise DFlash2Error(f"prefill_graph_tokens={prefill_graph_tokens} must be ≥ 0 (0 = eager prefill)")
+        self.prefill_graph_tokens = int(prefill_graph_tokens)
         self.kv_bucket = GRAPH_KV_BUCKET if self.graphs else KV_BUCKET
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
         # T>0 on CUDA: one generator of the Decoder's, seeded per generation from the caller's (see
@@ -245,6 +261,30 @@ class Decoder:
         seed = torch.randint(0, 2**62, (1,), generator=generator, device=dev)
         self._rng.manual_seed(int(seed))
         return self._rng
+
+    def _prefill_width(self, P: int) -> int | None:
+        """The bucket width a prompt batch P tokens wide is prefilled at, or None: eagerly at its own width
+        (bucketing off, P over the limit, or a bucket that would not fit in the slot's max_len)."""
+        if not 0 < P <= self.prefill_graph_tokens:
+            return None
+        width = prefill_bucket(P)
+        return width if width <= self.max_len else None
+
+    def _prefill(self, s: Slot, ids: torch.Tensor, lengths: torch.Tensor, spec: bool) -> torch.Tensor:
+        """Prefill of ids (Nb, P) with lengths (Nb,) into the slot -> the last prompt token's logits (Nb, V).
+
+        spec: the drafter's context gets the prompt's taps (AR computes none). Bucketed (prefill.py) when
+        :meth:`_prefill_width` gives a width, else eagerly at width P."""
+        width = self._prefill_width(ids.shape[1])
+        if width is not None:
+            return bucketed_prefill(s, self.model, self.drafter if spec else None, ids, lengths, width)
+        if not spec:
+            return prefill(self.model, s.state, ids, lengths, taps=False)
+        # the prompt's taps go to a buffer of their own (variable length), then into the context
+        taps = None if s.ctx.taps is None else s.ctx.taps.new_empty(s.batch, ids.shape[1], s.ctx.taps.shape[-1])
+        logits = prefill(self.model, s.state, ids, lengths, taps_out=taps)
+        self.drafter.append(s.ctx, taps, lengths)
+        return logits
 
     def _first_token(self, s: Slot, logits, N: int, params, generator) -> None:
         """The prefill's token is emitted; rows that are done (budget 1, EOS) or padding are inactive."""
@@ -348,7 +388,7 @@ class Decoder:
         if max_new_tokens == 0:
             return [[] for _ in range(N)]
         generator = self._sampling_generator(params, generator)
-        self._first_token(s, prefill(self.model, s.state, ids, lengths), N, params, generator)
+        self._first_token(s, self._prefill(s, ids, lengths, spec=False), N, params, generator)
         how = _key(params)
 
         def step(kv_len: int) -> None:
@@ -384,10 +424,7 @@ class Decoder:
         s, ids, lengths, N = self._begin(prompts, max_new_tokens, eos_token_id, B)
         if max_new_tokens == 0:
             return SpecResult([[] for _ in range(N)], [[] for _ in range(N)], [[] for _ in range(N)], B)
-        # prefill: the prompt's taps go to a buffer of their own (variable length), then into the context
-        taps = None if s.ctx.taps is None else s.ctx.taps.new_empty(s.batch, ids.shape[1], s.ctx.taps.shape[-1])
-        logits = prefill(self.model, s.state, ids, lengths, taps_out=taps)
-        self.drafter.append(s.ctx, taps, lengths)
+        logits = self._prefill(s, ids, lengths, spec=True)
         generator = self._sampling_generator(params, generator)
         self._first_token(s, logits, N, params, generator)
         how, graphable = _key(params), _graphable(params)

@@ -131,14 +131,14 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator=None) -> torc
     return logits.argmax(-1) if params.greedy else sample(warp_probs(logits, params), generator)
 
 
-def prefill(model, state, ids: torch.Tensor, lengths: torch.Tensor, taps_out=None) -> torch.Tensor:
+def prefill(model, state, ids: torch.Tensor, lengths: torch.Tensor, taps_out=None, taps: bool = True) -> torch.Tensor:
     """Variable-length prefill: ids (N, P_max) right-padded prompts, lengths (N,) -> last logits (N, V).
 
     One forward of the padded batch; row r commits its own lengths[r] tokens, so the padding
     writes only K/V past the row's length (never read) and never enters a GDN state. Taps of all
-    P_max positions go to ``taps_out`` (N, P_max, K·d) when given.
+    P_max positions go to ``taps_out`` (N, P_max, K·d) when given; taps=False computes none (plain AR).
     """
-    out = model(ids, state, taps_out=taps_out, logits_index=lengths - 1)
+    out = model(ids, state, taps_out=taps_out, logits_index=lengths - 1, taps=taps)
     # folded at once, even for a prompt as long as a reserved block (whose commit would be deferred): the
     # first decode verify may be a captured graph of another block length, which folds only its own log
     state.commit(lengths, defer=False)

@@ -34,9 +34,19 @@ def gdn_gates(
 
     g in fp32 (in bf16, exp(A_log) · softplus would lose the small decays); β = sigmoid(b) in
     the model dtype, as HF computes it.
+
+    softplus and sigmoid token by token, so that a token's gates have the same bits whatever block it is
+    verified in (an AR step, a verify block, a prefill padded to a bucket): on the CPU, ATen runs a
+    tensor's elements through vectorised math in chunks and the few left over through scalar libm, which
+    rounds these two differently in the last bit, so in one (N, T, H) call a token's bits depended on T.
+    Each token's (N, H) gates as a contiguous tensor of their own take the same path for any T (the add
+    and the product are correctly rounded either way: done at once). One token (an AR step) is one call.
     """
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
-    return g, torch.sigmoid(b)
+    if a.shape[1] <= 1:  # (N, 1, H) contiguous: the elements and order of a token's own (N, H) tensor
+        return -A_log.float().exp() * F.softplus(a.float() + dt_bias), torch.sigmoid(b.contiguous())
+    x = (a.float() + dt_bias).transpose(0, 1).contiguous()  # (T, N, H): x[t] contiguous, as at T = 1
+    g = -A_log.float().exp() * torch.stack([F.softplus(x_t) for x_t in x], dim=1)
+    return g, torch.stack([torch.sigmoid(b_t) for b_t in b.transpose(0, 1).contiguous()], dim=1)
 
 
 def causal_conv_silu(x: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor) -> torch.Tensor:
