@@ -51,12 +51,29 @@ def test_speculative_state_at_the_9b_shape():
 
 
 @pytest.mark.skipif(not interpreting(), reason="CPU tensors need TRITON_INTERPRET=1")
-def test_every_kernel_option_of_the_sweep_reaches_its_kernel():
+def test_every_kernel_option_of_the_sweep_reaches_its_kernel(monkeypatch):
     """The sweep's options (the recurrence tile and warps, the prep's warps) run in every Triton mode:
-    each kernel takes the ones it has (the commit kernel has no prep_warps)."""
+    each kernel takes the ones it has (the commit kernel has no prep_warps); the chunked recurrence's
+    own knobs reach its launch."""
     options = dict(block_v=2, num_warps=2, prep_warps=2)
     for mode in ("replay", "replay_eager", "native"):
         row = measure(
             GDNShape.tiny(), 1, 2, mode, dtype=torch.float32, device="cpu", iters=1, warmup=0, kernel_options=options
         )
         assert row.total_us > 0 and row.kernel_options == options, mode
+    # the chunked recurrence's own knobs (a 2-token block: one-token verifies keep the sequential walk)
+    from dflash2.runtime.kernels.gdn_verify import chunk_kernel
+
+    launches = []
+    launch = chunk_kernel.launch_chunk_recur
+    monkeypatch.setattr(chunk_kernel, "launch_chunk_recur", lambda *a, **kw: launches.append(kw) or launch(*a, **kw))
+    options = dict(chunked=True, chunk_block_v=8, chunk_warps=2, chunk_block_k=16)
+    for mode in ("replay", "replay_eager"):
+        launches.clear()
+        row = measure(
+            GDNShape.tiny(), 1, 2, mode, dtype=torch.float32, device="cpu", iters=1, warmup=0, kernel_options=options
+        )
+        assert row.total_us > 0 and row.kernel_options == options, mode
+        assert launches and all(
+            (kw["chunk_block_v"], kw["num_warps"], kw["block_k"]) == (8, 2, 16) for kw in launches
+        ), mode

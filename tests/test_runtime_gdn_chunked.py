@@ -10,9 +10,14 @@ solve instead of T dependent steps: the same values, summed in another order. So
   and == the sequential kernel to CHUNKED, its k / g logs bit for bit
   (same prep kernel); odd head dims and value slices narrower than a 16-wide tile (padded, masked);
   native ignores the option (bit for bit);
+* its own knobs (chunk_warps, chunk_block_v, chunk_block_k) change the tiles, not the values: the
+  same bounds with programs of several block_v slices, the last one past d_v, d_k slices of which the
+  last is partly padding, T = 2 and 9 (one chunk) and 33 (the state carried twice, the second time
+  through the scratch copy it reads);
 * the deferred fold is unchanged: with reserved logs each verify folds the previous commit's ragged
   n (0, 3, T) exactly as the commit kernel does, so outputs, logs and states are bit for bit those
-  of the eager path through the same option;
+  of the eager path through the same option, and every program zeroes the counts of its own block_v
+  slices (a program of four slices where d_v has two must not zero the next head's);
 * verify + commit(n) == decoding n tokens one at a time (the plain-PyTorch loop) to CHUNKED.
 
 CPU cases run in Triton's interpreter (a verify of these shapes takes about a second).
@@ -88,6 +93,43 @@ def test_kernel_matches_twin_and_sequential(device, T, heads, tiles):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "T, heads, tiles",
+    [
+        # odd head dims, one program over both block_v slices of a head, 2 warps
+        (2, GQA, dict(block_v=4, chunk_block_v=8, chunk_warps=2)),
+        # d_k 40: the last of three 16-row slices of S0 is half padding; d_v 24 in programs of 16 columns,
+        # the second over block_v slice 2 and one past d_v
+        (9, (1, 2, 40, 24), dict(block_v=8, chunk_block_v=16, chunk_block_k=16)),
+        # three chunks: S carried from rec to the scratch, then from the scratch onto itself
+        (33, (1, 2, 20, 12), dict(block_v=4, chunk_block_v=8, chunk_block_k=16, chunk_warps=1)),
+        # a d_k slice wider than d_k (clamped to the padded 16), 8 warps
+        (16, GQA, dict(chunk_block_k=64, chunk_warps=8)),
+    ],
+)
+def test_kernel_knobs_match_twin_and_sequential(device, T, heads, tiles):
+    case = make_case(2, T, heads, device=device, seed=100 + T)
+    before = (case["conv_state"].clone(), case["rec_state"].clone())
+    o, log = gdn_verify_triton(**case, chunked=True, **tiles)
+    o_twin, log_twin = gdn_verify_chunked_reference(**case, dtype=torch.float64)
+    o_seq, log_seq = gdn_verify_triton(**case, block_v=tiles.get("block_v"))
+    torch.testing.assert_close(o.double(), o_twin, **TWIN)
+    torch.testing.assert_close(log.u.double(), log_twin.u, **TWIN)
+    torch.testing.assert_close(o, o_seq, **CHUNKED)
+    torch.testing.assert_close(log.u, log_seq.u, **CHUNKED)
+    assert torch.equal(log.k, log_seq.k) and torch.equal(log.g, log_seq.g)
+    assert torch.equal(case["conv_state"], before[0]) and torch.equal(case["rec_state"], before[1])
+
+
+def test_chunk_block_v_must_hold_whole_slices():
+    """A program of chunk_block_v columns folds and zeroes whole block_v slices' counts: two programs
+    sharing a slice would race on its count (one zeroes it before the other reads it)."""
+    case = make_case(1, 2, GQA)
+    with pytest.raises(ValueError, match="multiple of block_v"):
+        gdn_verify_triton(**case, chunked=True, block_v=8, chunk_block_v=4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_kernel_with_vanishing_decay(device):
     case = make_case(2, 16, GQA, device=device, seed=3)
     case["a"] = case["a"].abs() + 60.0
@@ -138,14 +180,22 @@ def test_native_ignores_the_option(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("T, tiles", [(5, dict(block_v=4)), (16, {})])
-def test_deferred_fold_equals_eager_fold(device, T, tiles):
+@pytest.mark.parametrize(
+    "T, heads, tiles",
+    [
+        (5, GQA_CPU, dict(block_v=4)),
+        (16, GQA_CPU, {}),
+        # d_v 24 has three block_v slices and two programs of two: the second reads and zeroes slice 2's
+        # count, and must not zero the one past d_v (the next head's first)
+        (5, (1, 2, 5, 24), dict(block_v=8, chunk_block_v=16, chunk_warps=2)),
+    ],
+)
+def test_deferred_fold_equals_eager_fold(device, T, heads, tiles):
     """Reserved logs: every verify folds the previous commit's pending n (ragged: 0, 3 and T across rows,
     and each row 0 once) with the unchanged exact fold, then runs the chunked block. Against the eager
     path through the same option (the commit kernel folds at once): outputs, logs and states bit for
     bit, step after step, and after flush()."""
     N = 3
-    heads = GQA_CPU
     opts = dict(chunked=True, **tiles)
     start = make_case(N, T, heads, device=device, seed=60 + T)
     eager = _gdn_state(start, "replay", kernel_options=opts)
@@ -154,6 +204,7 @@ def test_deferred_fold_equals_eager_fold(device, T, tiles):
     schedule = [[0, 3, T], [T, 0, 3], [3, T, 0]]
     for args, n in zip(_steps(N, T, heads, 1, len(schedule), device, seed=T), schedule):
         assert torch.equal(eager.verify(0, *args[0]), lazy.verify(0, *args[0]))
+        assert not lazy._pend[T].any()  # every program zeroed the counts of its own slices, and only those
         for name in ("x", "k", "u", "g"):
             assert torch.equal(getattr(eager.logs[0], name), getattr(lazy.logs[0], name)), name
         assert torch.equal(eager.rec, lazy.rec) and torch.equal(eager.conv, lazy.conv)

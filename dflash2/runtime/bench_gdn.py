@@ -3,9 +3,10 @@
     python -m dflash2.runtime.bench_gdn --device cuda              # Qwen3.5-9B GDN shape, batch 1 and 64, T=16
     python -m dflash2.runtime.bench_gdn --device cuda --modes replay replay_eager native --profile
     python -m dflash2.runtime.bench_gdn --device cuda --sweep      # also search the kernels' tile / warp options
-    # ReplaySSM's chunked verify recurrence against the sequential one (and native):
+    # ReplaySSM's chunked verify recurrence against the sequential one (and native); its own knobs
+    # chunk_warps / chunk_block_v / chunk_block_k go in the same JSON (gdn_verify_triton):
     python -m dflash2.runtime.bench_gdn --device cuda --batch 1 --modes replay native \
-        --options '{}' --options '{"chunked": true}'
+        --options '{}' --options '{"chunked": true}' --options '{"chunked": true, "chunk_warps": 8}'
     python -m dflash2.runtime.bench_gdn --device cuda --out g.json # results as JSON too
 
 What one speculative step does to the GDN layers, on a :class:`~dflash2.runtime.gdn_state.GDNState`
@@ -45,7 +46,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from dflash2.runtime.gdn_state import GDNState
-from dflash2.runtime.kernels.gdn_log import recur_programs
+from dflash2.runtime.kernels.gdn_log import default_block_v, recur_programs
 from dflash2.runtime.models.base import GDN
 
 MiB = 2**20
@@ -316,13 +317,16 @@ def profile_kernels(
 # block_t only sizes the prep kernel's token chunks (one chunk at T ≤ 16): not searched. The recurrence
 # and the fold are what the tile width and warps change; the prep's warps are its own knob
 SWEEP = dict(block_v=(4, 8, 16, 32, 64), num_warps=(1, 2, 4, 8))
+# ReplaySSM's chunked recurrence has its own tile and warps (num_warps / block_v stay the sequential
+# walk's, which one-token verifies run, and the pending counts' layout: block_v is left at its default)
+CHUNK_SWEEP = dict(chunk_block_v=(16, 32, 64, 128), chunk_warps=(1, 2, 4, 8), chunk_block_k=(16, 32))
 PREP_SWEEP = (1, 2, 4, 8)  # the prep kernel's warps, searched after the tile (it does not depend on it)
 STAGES_SWEEP = (2, 3, 4)  # the recurrence's pipelined loops (0, the hand prefetch, is the grid's own)
 
 
 def best_options(shape, N, T, mode, **kw) -> Row:
-    """The fastest verify + commit over the SWEEP grid (ReplaySSM: with and without the chunked recurrence,
-    whose best tile differs), then over STAGES_SWEEP and PREP_SWEEP with the best tile (options a kernel
+    """The fastest verify + commit over the SWEEP grid (ReplaySSM: and the chunked recurrence over its own
+    CHUNK_SWEEP grid), then over STAGES_SWEEP and PREP_SWEEP with the best tile (options a kernel
     cannot compile are skipped)."""
     best = None
 
@@ -340,8 +344,11 @@ def best_options(shape, N, T, mode, **kw) -> Row:
     for bv, warps in itertools.product(*SWEEP.values()):
         if bv <= shape.head_v_dim * 2:
             attempt(dict(block_v=bv, num_warps=warps))
-            if mode in ("replay", "replay_eager"):
-                attempt(dict(block_v=bv, num_warps=warps, chunked=True))
+    if mode in ("replay", "replay_eager"):
+        for cbv, warps, bk in itertools.product(*CHUNK_SWEEP.values()):
+            # whole block_v slices per program (the pending counts' layout)
+            if cbv <= shape.head_v_dim * 2 and cbv % default_block_v(shape.head_v_dim) == 0:
+                attempt(dict(chunked=True, chunk_block_v=cbv, chunk_warps=warps, chunk_block_k=bk))
     if best is not None and mode != "reference":
         tile = dict(best.kernel_options)
         for stages in STAGES_SWEEP:

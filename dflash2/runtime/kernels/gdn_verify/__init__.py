@@ -14,6 +14,11 @@ from dflash2.runtime.kernels.gdn_log import GDNLog, PendingFold, default_block_v
 
 PREP_TOKENS = 16  # the prep kernel's tokens per chunk (see gdn_verify_triton)
 DEFAULT_STAGES = 3  # ReplaySSM's recurrence: software-pipeline stages of its token loops (see gdn_verify_triton)
+# the chunked recurrence's warps and d_k slice (chunk_kernel.py: 85 registers, no spills, compiled offline
+# for sm_90a at the 9B shape; not yet timed on a GPU). Here, not imported from chunk_kernel.py: that
+# module needs Triton
+DEFAULT_CHUNK_WARPS = 4
+DEFAULT_CHUNK_BLOCK_K = 16
 
 
 def gdn_verify_triton(
@@ -37,6 +42,9 @@ def gdn_verify_triton(
     stages: int | None = None,
     split_out: bool = False,
     chunked: bool = False,
+    chunk_warps: int | None = None,
+    chunk_block_v: int | None = None,
+    chunk_block_k: int | None = None,
 ) -> tuple[torch.Tensor, GDNLog]:
     """Outputs of the T block tokens of every row from the untouched states, plus the commit log.
 
@@ -68,7 +76,11 @@ def gdn_verify_triton(
     chain that makes the batch-1 recurrence latency-bound. Same values up to fp32 rounding: o and the
     logged u differ from the sequential walk's (and from single-token decoding's) at rounding level;
     the log's layout and the next verify's fold do not change. Any head dims and block_v (tiles are
-    padded to 16); split_out does not apply.
+    padded to 16); split_out does not apply. Its own tuning knobs (num_warps / block_v stay the
+    sequential walk's, which a one-token verify still runs, and the fold's count layout):
+    chunk_warps (default 4), chunk_block_v (value columns per program, a multiple of block_v: each
+    program folds and zeroes that many block_v slices' counts; default block_v) and chunk_block_k
+    (d_k rows per slice of the state its products stream, rounded up to a power of two ≥ 16; default 16).
     """
     N, T, C = x.shape
     H, dk, dv = rec_state.shape[1:]
@@ -100,6 +112,9 @@ def gdn_verify_triton(
     if log.native != native:
         raise ValueError(f"out is a {'native' if log.native else 'ReplaySSM'} log; this verify writes the other")
     bv = block_v or default_block_v(dv)
+    cbv = chunk_block_v or bv
+    if chunked and cbv % bv:
+        raise ValueError(f"chunk_block_v {cbv} must be a multiple of block_v {bv} (the pending counts' slices)")
     if fold is not None:
         if out is None or native:
             raise ValueError("a pending fold is folded from the ReplaySSM log it was logged in: pass it as out")
@@ -162,7 +177,16 @@ def gdn_verify_triton(
         block_t=bt,
         stages=stages,
         split_out=bool(split_out) and stages > 0,
-        chunked=bool(chunked) and not native and T > 1,  # one token: the sequential walk is the cheaper one
+        # one token: the sequential walk is the cheaper one
+        chunked=(
+            dict(
+                chunk_block_v=cbv,
+                block_k=chunk_block_k or DEFAULT_CHUNK_BLOCK_K,
+                num_warps=chunk_warps or DEFAULT_CHUNK_WARPS,
+            )
+            if chunked and not native and T > 1
+            else None
+        ),
         # registers: the recurrence's state tile (≤ ~64 fp32 per thread). The prep's (BT, d) conv tiles
         # are latency-bound at batch 1 (64 programs at the 9B shape for 132 SMs): 4 warps split each
         # program's loads four ways at no cost in occupancy; a first guess for the sweep to tune

@@ -436,13 +436,14 @@ def launch_verify(
     block_t,
     num_warps,
     prep_warps,
-    chunked=False,
+    chunked=None,
 ):
     """gdn_prep_kernel on grid (N, 2·Hk + H), then gdn_recur_kernel on grid (d_v / BV, N·H). Tensors as in
     the kernels (conv_weight as (C, K)); prep = (q, k, v, g, β) fp32 buffers of the prep kernel's
     output shapes; x_log the log's x (read by the fold, written when store_x); fold = (pend, stash_k,
     stash_g), zero counts when nothing is pending; the unused output of the other mode may be any
-    tensor (never touched). chunked (ReplaySSM): chunk_kernel.py's recurrence instead, same grid."""
+    tensor (never touched). chunked (ReplaySSM): chunk_kernel.py's recurrence instead, a dict of
+    launch_chunk_recur's chunk_block_v / block_k / num_warps (the fold's counts keep block_v's layout)."""
     N, T, _ = x.shape
     H, DK, DV = rec_state.shape[1:]
     KW = conv_weight.shape[1]
@@ -496,7 +497,7 @@ def launch_verify(
 
         launch_chunk_recur(
             q, k, v, g, beta, rec_state, o, log_u, fold,
-            num_k_heads=num_k_heads, block_v=block_v, stages=stages, num_warps=num_warps,
+            num_k_heads=num_k_heads, block_v=block_v, stages=stages, **chunked,
         )  # fmt: skip
         return
     gdn_recur_kernel[(triton.cdiv(DV, block_v), N * H)](
