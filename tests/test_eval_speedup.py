@@ -155,7 +155,8 @@ def test_bucketed_prefill_is_passed_on_and_recorded(tmp_path, monkeypatch, capsy
     real_init = Decoder.__init__
     monkeypatch.setattr(Decoder, "__init__", lambda self, *a, **kw: made.append(kw) or real_init(self, *a, **kw))
     out = tmp_path / "out"
-    overrides = ["shape=tiny", "batch_sizes=[1]", "max_new_tokens=6", "hf_new_tokens=2", "block_size=4"]
+    # 6-token prompts + 4 new + a block of 4 + 1 = 15 positions: the run must make room for the 16-wide bucket
+    overrides = ["shape=tiny", "batch_sizes=[1]", "max_new_tokens=4", "hf_new_tokens=2", "block_size=4"]
     _cli(
         monkeypatch,
         *overrides,
@@ -168,7 +169,9 @@ def test_bucketed_prefill_is_passed_on_and_recorded(tmp_path, monkeypatch, capsy
     _check(res, [1])
     assert res["prefill_graph_tokens"] == 16 and made and all(kw["prefill_graph_tokens"] == 16 for kw in made)
     md = (out / "results.md").read_text()
-    assert "Prefill: padded to a bucket for prompts ≤ 16 tokens, a CUDA graph on a GPU (longer: eager)." in md
+    assert res["batches"]["1"]["prefill_widths"] == [16]  # the bucketed prefill really ran, at width 16
+    assert "Prefill: padded to a bucket for prompts ≤ 16 tokens, a CUDA graph on a GPU (longer: eager); " in md
+    assert "bucket widths used: 16." in md
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("batch 1"))
     assert "; outside steps AR " in line and " ms per generation" in line
 

@@ -135,7 +135,7 @@ def _prefill_keys(dec):
 def test_graphed_prefill_equals_eager_and_replays(hf_targets, kind, monkeypatch):
     """fp32 on the GPU, T=0: three generations per (batch bucket, prompt bucket, AR / spec), the first running
     the prefill eagerly, the second capturing it and the third replaying it, each with other prompts of the
-    same bucket, equal the eager Decoder's (no graphs, no bucketing) token for token; the third captures
+    same bucket, equal an eager Decoder's (no graphs; the same padding and buckets) token for token; the third captures
     nothing; the bucketed prefill never synchronises with the host (CUDA's sync debug mode raises if it does)."""
     from dflash2.runtime import engine
     from dflash2.target import TargetModel
@@ -161,7 +161,9 @@ def test_graphed_prefill_equals_eager_and_replays(hf_targets, kind, monkeypatch)
 
     monkeypatch.setattr(engine, "bucketed_prefill", strict)
     graphed = Decoder(model, drafter, max_len=128, prefill_graph_tokens=64)
-    eager = Decoder(model, drafter, max_len=128, graphs=False)
+    # the reference pads alike (same bucket widths, same batch buckets), so every GEMM and attention call has the
+    # graphed run's shapes: a difference can only come from the graphs, not from kernels picked per row count
+    eager = Decoder(model, drafter, max_len=128, graphs=False, pad=True, prefill_graph_tokens=64)
     # per round, other prompts of the same buckets: batch 1 (16 wide), 3 rows in the 4-row slot (16 wide), 2 rows
     # (32 wide: SDPA attention instead of the decode kernel)
     rounds = [
@@ -203,3 +205,13 @@ def test_padded_prefill_equals_unpadded_in_the_triton_gdn_modes(hf_targets, mode
     assert bucketed._prefill_width(12) == drafter.block_size  # the reserved length
     for name in ("gdn", "kv", "ctx_kv"):
         assert all(torch.equal(a, b) for a, b in zip(got[name], ref[name])), name
+
+
+def test_min_bucket_is_the_attention_and_native_gdn_limit():
+    """The minimum bucket is chosen to coincide with the decode-attention kernel's block limit and native GDN's
+    per-position states (prefill.py): padding never moves a prompt across either. If one moves, so must it."""
+    from dflash2.runtime.cache import TRITON_MAX_T
+    from dflash2.runtime.gdn_state import NATIVE_MAX_TOKENS
+    from dflash2.runtime.prefill import MIN_BUCKET
+
+    assert MIN_BUCKET == TRITON_MAX_T == NATIVE_MAX_TOKENS

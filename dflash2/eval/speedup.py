@@ -65,6 +65,7 @@ from dflash2.runtime import Decoder, kernels
 from dflash2.runtime.cache import attention_in_use
 from dflash2.runtime.gemm import gemm_in_use
 from dflash2.runtime.graphs import PhaseTimer
+from dflash2.runtime.prefill import prefill_bucket
 
 
 # ----------------------------------------------------------------------------- ceilings
@@ -205,7 +206,7 @@ def time_runtime(
 
     # warm-up: first uses run eagerly, second uses capture (each batch bucket); a prefill runs once per
     # generation, so a graphed one is captured by a second pass
-    for _ in range(2 if getattr(dec, "prefill_graph_tokens", 0) > 0 else 1):
+    for _ in range(2 if dec.graphs and getattr(dec, "prefill_graph_tokens", 0) > 0 else 1):
         for batch in batches:
             gen(batch)
     per_run, walls, toks, outs = [], [], [], []
@@ -420,6 +421,8 @@ def run_speedup(
     modes = speedup_gdn.plan_modes(target, gdn_modes)  # [] without GDN layers; user errors before any timing
     longest = max(len(p) for p in pair.prompts)
     max_len = longest + max_new_tokens + B + 1
+    if 0 < longest <= prefill_graph_tokens:  # the bucketed prefill writes K/V up to its bucket: room for it
+        max_len = max(max_len, prefill_bucket(longest))
     bw = copy_bandwidth(device, copy_bytes)
     wbytes = weight_bytes(target)
     bound_ms = wbytes / bw * 1e3
@@ -474,6 +477,8 @@ def run_speedup(
                     sub["gdn_layer"] = speedup_gdn.layer_cost(
                         target, mode, N, B, iters=gdn_bench_iters, kernel_options=gdn_kernel_options
                     )
+                # the bucket widths the prefills actually ran at ([]: all eager), not just the setting
+                sub["prefill_widths"] = prefill_widths(dec)
                 if i == 0:
                     rows[N].update(sub, gdn_mode=mode)
                 else:
@@ -515,6 +520,11 @@ def run_speedup(
     if output_dir is not None:
         write_results(results, Path(output_dir))
     return results
+
+
+def prefill_widths(dec: Decoder) -> list[int]:
+    """The bucket widths ``dec``'s prefills ran at so far, over all its slots ([]: every prefill was eager)."""
+    return sorted({w for slot in dec.slots.values() if slot.prefill for w in slot.prefill.widths})
 
 
 def _measure_mode(

@@ -31,13 +31,14 @@ def _gemm(name: str) -> str:
     return "skinny (prefill > 128 rows: cuBLAS)" if name == "skinny" else name
 
 
-def _prefill(tokens: int) -> str:
-    """How the runtime prefilled, as the header says it."""
-    return (
-        f"padded to a bucket for prompts ≤ {tokens} tokens, a CUDA graph on a GPU (longer: eager)"
-        if tokens
-        else "eager"
-    )
+def _prefill(results: dict) -> str:
+    """How the runtime prefilled, as the header says it: the setting and the bucket widths that actually ran."""
+    tokens = results.get("prefill_graph_tokens", 0)
+    if not tokens:
+        return "eager"
+    ran = sorted({w for row in results.get("batches", {}).values() for w in row.get("prefill_widths", [])})
+    widths = f"bucket widths used: {', '.join(map(str, ran))}" if ran else "no prompt was bucketed: all eager"
+    return f"padded to a bucket for prompts ≤ {tokens} tokens, a CUDA graph on a GPU (longer: eager); {widths}"
 
 
 def _outside(r: dict) -> str:
@@ -63,7 +64,7 @@ def markdown(results: dict) -> str:
         f"{results['copy_bandwidth_GBps']:.0f} GB/s (measured in this run) -> bound {bound:.3f} ms/step. "
         "Median [min–max] over runs. Decoded: the prompts each method decoded (rows beyond them are repeats) "
         "and its batches; the runtime decodes every prompt at every batch size, HF generate the first batch. "
-        f"Prefill: {_prefill(results.get('prefill_graph_tokens', 0))}.",
+        f"Prefill: {_prefill(results)}.",
         "",
         "| batch | method | decoded | ms/step | tokens/s | τ | weight GB/s | % of bound | lossless |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -177,7 +177,8 @@ class Decoder:
     ≥ 16; it must fit in max_len) and prefilled as a phase of its own, keyed by that width: captured and
     replayed like the step phases when graphs are on, run eagerly (the same padded computation) when they
     are off. Why: a short prompt's eager prefill is bound by its launches (prefill.py). Opt-in until it
-    is measured on a GPU.
+    is measured on a GPU. Cost: the padded tokens' compute, and in native GDN mode (the ablation) a prompt of
+    < 16 tokens padded to 16 stores 16 per-position states per GDN layer during its prefill.
     Attributes set by callers: ``timer`` (a :class:`~dflash2.runtime.graphs.PhaseTimer` or None) and
     ``on_step`` (called with the slot after each step: progress bars, tests).
     """

@@ -1,9 +1,10 @@
 """Bucketed prefill: short prompts padded to a bucket width, at fixed addresses, so a slot can graph its prefill.
 
 Why (docs/ARCHITECTURE.md §6): decode steps are CUDA graphs, but the prefill ran eagerly, and for a short
-prompt it is bound by the host, not the GPU: on an H200 the trained pair's prefill (90M hybrid target, 64
-tokens) took 10–18 ms of wall for about 1.1 ms of kernels (≈131 kernel launches, many Triton, plus hundreds
-of aten ops), once per generation, in AR and speculative decoding alike. A graph replays all of it in one
+prompt it is bound by the host, not the GPU: on an H200, at the trained pair's shape (random weights, 90M
+hybrid target, 64 tokens), the prefill took 10–18 ms of wall for about 1.1 ms of kernels (≈130 kernel
+launches, many Triton, plus hundreds of aten ops), once per generation, in AR and speculative decoding
+alike. A graph replays all of it in one
 launch, but needs fixed shapes and addresses: the right-padded prompt ids are padded further to a bucket
 width W and copied, with the lengths, into buffers the slot keeps (:class:`PrefillBuffers`), and one graph
 per (slot, W, AR or speculative) runs the forward, the commit and, speculative, the drafter's context
@@ -68,6 +69,11 @@ class PrefillBuffers:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=head.device)
         self.logits = torch.zeros(batch, head.shape[0], dtype=head.dtype, device=head.device)
         self._ids: dict[int, torch.Tensor] = {}
+
+    @property
+    def widths(self) -> list[int]:
+        """The bucket widths this slot has prefilled at (one graph each when graphs are on)."""
+        return sorted(self._ids)
 
     def load(self, ids: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
         """Copy ids (Nb, P ≤ width), padded to ``width``, and lengths (Nb,) into the buffers; returns the ids buffer."""

@@ -206,7 +206,7 @@ def gdn_recur_chunk_kernel(
         qs = tl.zeros([BT, BW], dtype=tl.float32)
         kk = tl.zeros([BT, BT], dtype=tl.float32)
         qk = tl.zeros([BT, BT], dtype=tl.float32)
-        for k0 in range(0, BK, KB):
+        for k0 in range(0, DK, KB):  # slices up to d_k, not the padded BK (the last may be partly padding)
             m_kb = k0 + o_kb < DK
             p_qk = (tok[:, None] * HK + i_hk) * DK + k0 + o_kb[None, :]
             m_tk = m_t[:, None] & m_kb[None, :]
@@ -257,7 +257,7 @@ def gdn_recur_chunk_kernel(
         if t0 + BT < T:  # the next chunk starts from S after this one (prefill-length blocks only)
             w = tl.exp(tail)[:, None] * U  # (BT, BW): the decay from token s to the chunk's end
             el = tl.exp(last)
-            for k0 in range(0, BK, KB):
+            for k0 in range(0, DK, KB):  # slices up to d_k, not the padded BK (the last may be partly padding)
                 m_kb = k0 + o_kb < DK
                 m_s = m_kb[:, None] & m_v[None, :]
                 # (KB, BT): k rows of the slice, transposed by the addressing

@@ -42,7 +42,9 @@ def gdn_gates(
     Each token's (N, H) gates as a contiguous tensor of their own take the same path for any T (the add
     and the product are correctly rounded either way: done at once). One token (an AR step) is one call.
     """
-    if a.shape[1] <= 1:  # (N, 1, H) contiguous: the elements and order of a token's own (N, H) tensor
+    # one token: (N, 1, H) is already a token's own (N, H) tensor. CUDA: every element runs the same device
+    # function whatever the tensor's length (no scalar tail), so the T per-token launches would buy nothing
+    if a.shape[1] <= 1 or a.is_cuda:
         return -A_log.float().exp() * F.softplus(a.float() + dt_bias), torch.sigmoid(b.contiguous())
     x = (a.float() + dt_bias).transpose(0, 1).contiguous()  # (T, N, H): x[t] contiguous, as at T = 1
     g = -A_log.float().exp() * torch.stack([F.softplus(x_t) for x_t in x], dim=1)
