@@ -8,6 +8,8 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
+# test processes (pytest-xdist): 2 = the CI machine's cores; PYTEST_WORKERS=0 runs in this process (pdb, -s)
+PYTEST_WORKERS ?= 2
 
 .PHONY: install train test lint format test-fast test-vllm test-vllm-regeneration
 
@@ -20,7 +22,7 @@ train: install
 
 # --durations: the 25 slowest tests at the end of every run, to keep the suite well under 15 minutes
 test: install lint
-	$(PYTHON) -m pytest -q --durations=25 $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) --durations=25 $(PYTEST_ARGS)
 
 # Lint + format check (ruff, configured in pyproject.toml); part of `make test`, so CI enforces it.
 # `make format` rewrites the tree in place.
