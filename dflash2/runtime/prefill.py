@@ -4,11 +4,10 @@ Why (docs/ARCHITECTURE.md §6): decode steps are CUDA graphs, but the prefill ra
 prompt it is bound by the host, not the GPU: on an H200, at the trained pair's shape (random weights, 90M
 hybrid target, 64 tokens), the prefill took 10–18 ms of wall for about 1.1 ms of kernels (≈130 kernel
 launches, many Triton, plus hundreds of aten ops), once per generation, in AR and speculative decoding
-alike. A graph replays all of it in one
-launch, but needs fixed shapes and addresses: the right-padded prompt ids are padded further to a bucket
-width W and copied, with the lengths, into buffers the slot keeps (:class:`PrefillBuffers`), and one graph
-per (slot, W, AR or speculative) runs the forward, the commit and, speculative, the drafter's context
-append, leaving the last prompt token's logits in a slot buffer.
+alike. A graph replays all of it in one launch, but needs fixed shapes and addresses: the right-padded
+prompt ids are padded further to a bucket width W and copied, with the lengths, into buffers the slot keeps
+(:class:`PrefillBuffers`), and one graph per (slot, W, AR or speculative) runs the forward, the commit and,
+speculative, the drafter's context append, leaving the last prompt token's logits in a slot buffer.
 
 Padding is already in ``step.prefill``'s contract: row r commits its own lengths[r] tokens, so the padding
 only writes K/V past the row's length (never read, overwritten later) and never enters a GDN state (the
