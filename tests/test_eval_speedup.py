@@ -16,7 +16,7 @@ import torch
 
 from dflash2.drafter import save_drafter
 from dflash2.eval import speedup_cli
-from dflash2.eval.speedup import first_divergence, weight_bytes
+from dflash2.eval.speedup import first_divergence, row_divergences, weight_bytes
 from dflash2.tokenizer import train_bpe_tokenizer
 
 FAST = [
@@ -99,6 +99,7 @@ def test_trained_pair_command_writes_results_and_is_lossless(pair_dirs, tmp_path
         "batch_sizes=[1,2]",
         "max_new_tokens=12",
         "hf_new_tokens=4",
+        "hf_check_tokens=6",  # HF greedy of both prompts (one left-padded batch of 2) against every row
         "gdn_modes=reference",  # one mode, given as a plain value; the Triton modes: test_eval_speedup_gdn.py
         "prompts_per_document=2",  # reaches the prompt loader (held-out sets only; a file takes it and ignores it)
         f"paths.output_dir={out}",
@@ -112,7 +113,15 @@ def test_trained_pair_command_writes_results_and_is_lossless(pair_dirs, tmp_path
     assert all(row["predicted"] == [] for row in res["batches"].values())  # a trained pair: measured only
     assert res["gdn"]["applicable"] and res["gdn"]["modes"] == ["reference"]  # the target is a hybrid
     assert all(row["gdn_mode"] == "reference" and "other_gdn_modes" not in row for row in res["batches"].values())
+    check = res["hf_check"]  # fp32 on the CPU: HF greedy == runtime AR == runtime spec on every row
+    assert (check["new_tokens"], check["batch_size"], check["prompts"]) == (6, 2, 2)
+    for N in ("1", "2"):
+        got = check["batches"][N]
+        assert got["rows"] == got["ar_rows_equal"] == got["spec_rows_equal"] == 2, N
+        assert got["ar_divergences"] == got["spec_divergences"] == []
+        assert res["batches"][N]["hf_check_lossless"] is True
     md = (out / "results.md").read_text()
+    assert "- batch 2: HF greedy vs runtime AR: 2/2 rows equal over 6 tokens; vs spec: 2/2" in md
     assert "| 2 | runtime spec (reference) | 2 prompts (1×2) |" in md and "lossless" in md
     assert "| 1 | runtime AR (reference) | 2 prompts (2×1) |" in md and "| 1 | HF generate | 1 prompt (1×1) |" in md
     assert "| mean step | outside steps / generation |" in md and "Prefill: eager." in md
@@ -123,9 +132,8 @@ def test_trained_pair_command_writes_results_and_is_lossless(pair_dirs, tmp_path
 def test_random_shape_predicts_and_labels_it(tmp_path, monkeypatch):
     out = tmp_path / "out"
     overrides = ["shape=tiny", "batch_sizes=[1,2]", "max_new_tokens=10", "hf_new_tokens=3", "block_size=4"]
-    _cli(
-        monkeypatch, *overrides, "drafter_layers=1", "prompt_tokens=6", "predict_taus=[2.5]", f"paths.output_dir={out}"
-    )
+    more = ["drafter_layers=1", "prompt_tokens=6", "predict_taus=[2.5]", "hf_check_tokens=3"]
+    _cli(monkeypatch, *overrides, *more, f"paths.output_dir={out}")
     res = json.loads((out / "results.json").read_text())
     _check(res, [1, 2])
     assert res["random_weights"] is True and "shape=tiny" in res["label"]
@@ -139,6 +147,9 @@ def test_random_shape_predicts_and_labels_it(tmp_path, monkeypatch):
     assert pred["tau"] == 2.5 and pred["label"] == "prediction" and pred["speedup"] > 0
     md = (out / "results.md").read_text()
     assert "**prediction** at τ = 2.50" in md and ", attention sdpa;" in md
+    # the HF greedy check is skipped on random weights, and says why
+    assert res["hf_check"]["skipped"].startswith("random weights") and "HF greedy check (3 tokens): skipped" in md
+    assert all(row["hf_check_lossless"] is None for row in res["batches"].values())
     # Qwen3 has no GDN layers: the config's modes are recorded as not applicable, the runtime runs once
     gdn = res["gdn"]
     assert gdn == {"applicable": False, "requested": ["replay", "native"], "reason": "the target has no GDN layers"}
@@ -217,6 +228,7 @@ def test_gemm_setting_and_what_ran_are_recorded(tmp_path, monkeypatch):
     # the setting beside what ran: CPU tensors outside the interpreter's on_cpu() run F.linear
     assert res["gemm_setting"] == "skinny" and res["gemm"] == "cublas"
     assert res["batches"]["1"]["lossless"] is True
+    assert res["hf_check"] is None and res["batches"]["1"]["hf_check_lossless"] is None  # the default: off
     assert ", GEMM cublas, attention sdpa;" in (out / "results.md").read_text()
     assert gemm_backend() == "cublas"  # the command gives the process its setting back
 
@@ -291,6 +303,26 @@ def test_divergence_names_both_tokens_and_their_margin(hf_targets):
     assert first_divergence(model, prompts, ref, [[7, 8]])["lengths"] == [4, 2]
     total = sum(p.numel() for p in model.parameters()) * 4
     assert weight_bytes(model) == total - model.embed.weight.numel() * 4  # untied: the table is not read
+
+
+def test_row_divergences_names_every_differing_row(hf_targets):
+    """Unlike first_divergence, every differing row (HF's check reports them all), its tokens named ref/got."""
+    from dflash2.runtime import load_model
+
+    model = load_model(hf_targets["qwen3"][1])
+    prompts = [[5, 9, 2], [4, 4], [5, 9, 2]]  # row 2 repeats prompt 0
+    ref = [[7, 8, 9, 10], [1, 2, 3], [7, 8, 9, 10]]
+    got = [[7, 8, 11, 10], [1, 2, 3], [6, 8, 9, 10]]
+    found = row_divergences(model, prompts, ref, got, prompt_index=[0, 1, 0])
+    where = [(d["row"], d["prompt"], d["position"], d["ref_token"], d["got_token"]) for d in found]
+    assert where == [(0, 0, 2, 9, 11), (2, 0, 0, 7, 6)]  # the equal row 1: none
+    assert all(math.isfinite(d["margin"]) and math.isfinite(d["top2_margin"]) for d in found)
+    assert all(d["dtype"] == "float32" and "ar_token" not in d and "spec_token" not in d for d in found)
+    first = first_divergence(model, prompts, ref, got)  # the same logits as the first row's
+    assert (found[0]["margin"], found[0]["logit_ref_token"]) == (first["margin"], first["logit_ar_token"])
+    assert row_divergences(model, prompts, ref, ref) == []
+    short = row_divergences(model, prompts[:1], ref[:1], [[7, 8]])  # a prefix: its lengths, no tokens
+    assert short == [{"row": 0, "prompt": 0, "position": 2, "lengths": [4, 2]}]
 
 
 def test_profile_counts_attention_apart_from_gemms():

@@ -8,6 +8,8 @@ those of the batches together, the progress bar counts batches, and a divergence
 asserted.
 """
 
+import dataclasses
+
 import pytest
 from conftest import nontrivial_dflash2, spec_drafter
 from test_runtime_engine import TAPS, _prompt
@@ -103,12 +105,13 @@ def _corrupting(size: int, row: int):
     return Corrupting
 
 
-def _run(pair, N, tmp_path=None):
+def _run(pair, N, tmp_path=None, hf_check_tokens=0):
     return run_speedup(
         pair,
-        batch_sizes=[N],
+        batch_sizes=[N] if isinstance(N, int) else N,
         max_new_tokens=N_NEW,
         hf_new_tokens=0,
+        hf_check_tokens=hf_check_tokens,
         runs=1,
         copy_bytes=1 << 20,
         gdn_modes=["reference"],
@@ -153,3 +156,41 @@ def test_every_row_equal_is_lossless(dense):
     assert got["lossless"] is True and got["divergence"] is None
     assert got["spec"]["decoded"] == {"prompts": 3, "rows": 3, "batches": [2, 1]}
     assert got["spec"]["tau"] >= 1 and got["spec"]["steps"] > 0
+
+
+def test_hf_greedy_check_covers_every_row_of_every_batch_size(dense, hf_targets):
+    """hf_check_tokens > 0: HF greedy of the 3 ragged prompts once (left-padded, one batch: max(batch_sizes)
+    = 4) against every AR and spec row at batch 1 (3 batches), 2 (2+1) and 4 (cycled: row 3 is prompt 0);
+    fp32 on the CPU, so all equal."""
+    res = _run(dataclasses.replace(dense, hf=hf_targets["qwen3"][0]), [1, 2, 4], hf_check_tokens=6)
+    check = res["hf_check"]
+    assert (check["new_tokens"], check["batch_size"], check["prompts"]) == (6, 4, 3)
+    for N, rows in (("1", 3), ("2", 3), ("4", 4)):
+        got = check["batches"][N]
+        assert got == {
+            "rows": rows,
+            "ar_rows_equal": rows,
+            "spec_rows_equal": rows,
+            "ar_divergences": [],
+            "spec_divergences": [],
+        }
+        assert res["batches"][N]["hf_check_lossless"] is True
+    assert "- batch 4: HF greedy vs runtime AR: 4/4 rows equal over 6 tokens; vs spec: 4/4" in markdown(res)
+
+
+def test_hf_greedy_check_reports_a_divergent_row(dense, hf_targets, monkeypatch):
+    """A spec row one token off at position 3 (the second row of a batch of 2): the check names that row
+    and its prompt, HF's token beside the runtime's, with a finite margin; AR still equals HF. More tokens
+    asked than decoded: compared over max_new_tokens."""
+    monkeypatch.setattr(speedup, "Decoder", _corrupting(2, 1))
+    res = _run(dataclasses.replace(dense, hf=hf_targets["qwen3"][0]), 2, hf_check_tokens=N_NEW + 5)
+    check = res["hf_check"]
+    got = check["batches"]["2"]
+    assert check["new_tokens"] == N_NEW and got["rows"] == got["ar_rows_equal"] == 3 and got["ar_divergences"] == []
+    (d,) = got["spec_divergences"]
+    assert (d["row"], d["prompt"], d["position"]) == (1, 1, 3) and got["spec_rows_equal"] == 2
+    assert d["got_token"] == (d["ref_token"] + 1) % dense.target.vocab_size and d["margin"] > 0
+    assert res["batches"]["2"]["hf_check_lossless"] is False
+    md = markdown(res)
+    assert "- batch 2: HF greedy vs runtime AR: 3/3 rows equal over 9 tokens; vs spec: 2/3" in md
+    assert f"  - spec row 1 (prompt 1): position 3, HF {d['ref_token']} vs {d['got_token']}, margin " in md

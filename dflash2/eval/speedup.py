@@ -27,7 +27,10 @@ graph is captured before the timed runs. The weight-read bound is the model's we
 read per step) over the device-to-device copy bandwidth measured in the same run; the AR step's
 fraction of it and the achieved GB/s are printed beside. Lossless: (c) must equal (b) token for token on every row of
 every batch; the first divergence is reported with its row and prompt index (over all rows, not
-within its batch) and the target's logit margin between the two tokens in the run's dtype.
+within its batch) and the target's logit margin between the two tokens in the run's dtype. With
+``hf_check_tokens`` > 0 (a trained pair, greedy), HF ``generate`` also decodes every prompt once, untimed,
+and each batch size's (b) and (c) rows are compared with it token for token (``results["hf_check"]``: rows
+equal per method, and every differing row's first divergence with its logit margin): the three-way check.
 Random-weight shapes give real step times but meaningless τ: speedups there are predictions from a
 given τ and the measured step times, and labelled so.
 
@@ -136,9 +139,8 @@ def time_hf(hf, prompts: list[list[int]], new_tokens: int, runs: int, sampling: 
     """HF ``generate`` (its default dynamic cache), exactly ``new_tokens`` per row; ``prompts`` as one left-padded
     batch. Greedy, or sampled with ``sampling`` (temperature > 0, top_k, top_p: :data:`GREEDY`'s keys)."""
     device = hf.get_input_embeddings().weight.device
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    ids, mask = left_padded(prompts, device)
+    width = ids.shape[1]
     kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0, temperature=None, top_p=None, top_k=None)
     if is_sampled(sampling):
         kw.update(do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"])
@@ -163,6 +165,69 @@ def time_hf(hf, prompts: list[list[int]], new_tokens: int, runs: int, sampling: 
         "decoded": decoded(prompts, [prompts]),
         "sequences": out[:, width:].tolist(),
     }
+
+
+def left_padded(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prompts`` as one batch for HF ``generate``: ids and attention mask, both (rows, longest prompt), each
+    row left-padded with token 0 (masked out), so that every row's next token is the batch's last column."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return ids, mask
+
+
+@torch.no_grad()
+def hf_greedy(hf, prompts: list[list[int]], new_tokens: int, batch_size: int) -> list[list[int]]:
+    """HF ``generate``'s greedy continuation of every prompt, untimed: ``new_tokens`` ids per prompt, in
+    ``prompts``' order, decoded in consecutive left-padded batches of ``batch_size`` rows (:func:`left_padded`,
+    :func:`split_batches`). No EOS, like the runtime rows it is compared with (they get none): EOS is an
+    ordinary token here, neither ending a row nor suppressed (``min_new_tokens`` would forbid it, which is
+    not greedy)."""
+    device = hf.get_input_embeddings().weight.device
+    out = []
+    for batch in split_batches(list(prompts), batch_size):
+        ids, mask = left_padded(batch, device)
+        seqs = hf.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,  # overrides the checkpoint's generation_config: every row runs new_tokens
+            pad_token_id=0,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
+        out += seqs[:, ids.shape[1] :].tolist()
+    return out
+
+
+def hf_check_skipped(pair, sampling: dict | None) -> str | None:
+    """Why the HF greedy check cannot run on ``pair`` (None: it can)."""
+    if pair.hf is None:
+        return "no HF model"
+    if is_sampled(sampling):
+        return "sampled run: outputs differ by design, no token comparison"
+    if pair.random:
+        # near-flat logits: greedy ties everywhere, so a difference would be rounding, not a runtime bug
+        return "random weights: near-tied logits make token comparisons meaningless"
+    return None
+
+
+def compare_with_hf(model, hf_sequences, new_tokens: int, prompts, sub: dict, prompt_index) -> dict:
+    """One batch size's AR and spec rows (``sub["ar"]``, ``sub["spec"]``: ``sequences``, row r decoding
+    ``prompts[r]``, prompt ``prompt_index[r]`` of the set) against HF's greedy sequence of the same prompt
+    (``hf_sequences[prompt_index[r]]``), over the first ``new_tokens`` tokens. Returns rows, and per method
+    (ar, spec) how many rows are equal and every differing row's divergence (:func:`row_divergences`, HF the
+    reference: ``ref_token`` is HF's, ``got_token`` the runtime's)."""
+    ref = [hf_sequences[p][:new_tokens] for p in prompt_index]
+    out = {"rows": len(ref)}
+    for key in ("ar", "spec"):
+        got = [seq[:new_tokens] for seq in sub[key]["sequences"]]
+        divergences = row_divergences(model, prompts, ref, got, prompt_index)
+        out[f"{key}_rows_equal"] = len(ref) - len(divergences)
+        out[f"{key}_divergences"] = divergences
+    return out
 
 
 # ----------------------------------------------------------------------------- (b), (c) runtime
@@ -307,6 +372,30 @@ def first_divergence(model, prompts, ref, got, prompt_index=None) -> dict | None
     return None
 
 
+# first_divergence's keys for its two sequences, and what row_divergences names them: it has no AR or spec side
+NEUTRAL_KEYS = {
+    "ar_token": "ref_token",
+    "spec_token": "got_token",
+    "logit_ar_token": "logit_ref_token",
+    "logit_spec_token": "logit_got_token",
+}
+
+
+def row_divergences(model, prompts, ref, got, prompt_index=None) -> list[dict]:
+    """Every row where ``got`` differs from ``ref`` (:func:`first_divergence` stops at the first row), each
+    with its first divergence: row, prompt, position, ``ref_token`` / ``got_token`` and their logits,
+    ``margin`` = logit(ref token) − logit(got token), ``top2_margin`` and dtype, the logits from the target's
+    eager prefill of the row's prompt + the common prefix; or row, prompt, position and ``lengths`` where one
+    row is a prefix of the other. Rows and ``prompt_index`` as in :func:`first_divergence`; [] when all equal."""
+    out = []
+    for r, (a, b) in enumerate(zip(ref, got)):
+        found = first_divergence(model, [prompts[r]], [a], [b])
+        if found is not None:
+            where = {"row": r, "prompt": r if prompt_index is None else prompt_index[r]}
+            out.append({NEUTRAL_KEYS.get(k, k): v for k, v in {**found, **where}.items()})
+    return out
+
+
 # ----------------------------------------------------------------------------- profile
 GEMM_WORDS = ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk", "matmul")
 ATTENTION_WORDS = ("fmha", "sdpa", "attention", "flash")  # cutlass / cuDNN attention kernels are not GEMVs
@@ -385,6 +474,7 @@ def run_speedup(
     max_new_tokens: int,
     hf_new_tokens: int,
     runs: int,
+    hf_check_tokens: int = 0,
     copy_bytes: int,
     predict_taus=(),
     profile: bool = True,
@@ -414,7 +504,12 @@ def run_speedup(
     a generator seeded with ``seed``: tokens/s and τ are measured, and no token comparison is made (sampled
     outputs of two methods differ by design; the runtime's T>0 distribution is checked by
     tests/test_runtime_sampling.py's chi-square tests). prefill_graph_tokens: every Decoder's (0: eager prefill;
-    > 0: prompts up to that width prefilled as CUDA graphs, runtime/prefill.py), recorded in the results."""
+    > 0: prompts up to that width prefilled as CUDA graphs, runtime/prefill.py), recorded in the results.
+    hf_check_tokens: 0 = off; n > 0 = HF greedy ``generate`` of every prompt once (n new tokens per row, untimed,
+    in batches of max(batch_sizes) rows, :func:`hf_greedy`), compared at each batch size with the headline
+    mode's AR and spec rows (:func:`compare_with_hf`): ``results["hf_check"]`` and each batch row's
+    ``hf_check_lossless`` (None where not run; skipped, with the reason recorded, for random weights, a
+    sampled run or a pair without its HF model)."""
     target, drafter = pair.target, pair.drafter
     device = target.embed.weight.device
     B = drafter.block_size
@@ -444,6 +539,7 @@ def run_speedup(
         "gemm": gemm_in_use(device),  # what the target's decode-sized projections ran, fallbacks applied
         "gdn": speedup_gdn.summary(target, gdn_modes, modes, B),
         "gdn_kernel_options": dict(gdn_kernel_options or {}),
+        "hf_check": None,  # hf_check_tokens > 0: the HF greedy check (run_hf_check)
         "batches": {},
     }
     where = f"{pair.label} on {results['device']}"
@@ -457,6 +553,21 @@ def run_speedup(
         if pair.hf is not None and hf_new_tokens > 0:  # HF's own GDN path: the same for every mode
             # the first batch only: HF generate is too slow for every prompt at every batch size
             rows[N]["hf"] = time_hf(pair.hf, prompts_of[N][:N], hf_new_tokens, runs, sampling)
+    hf_sequences = None  # HF greedy of every prompt, for the check after all modes are measured
+    if hf_check_tokens > 0:
+        skipped = hf_check_skipped(pair, sampling)
+        check_batch = max(batch_sizes)
+        if skipped:
+            results["hf_check"] = {"new_tokens": hf_check_tokens, "skipped": skipped}
+            log(f"HF greedy check skipped: {skipped}")
+        else:
+            log(
+                f"HF greedy check: {len(pair.prompts)} prompts × {hf_check_tokens} new tokens in batches of "
+                f"{check_batch} (untimed)"
+            )
+            hf_sequences = hf_greedy(pair.hf, pair.prompts, hf_check_tokens, check_batch)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # HF's dynamic caches: not in the runtime's way
     batches = sum(len(split_batches(index_of[N], N)) for N in batch_sizes)
     progress = _progress(batches * 2 * runs * max(1, len(modes)))  # timed batches, AR and spec, every mode
     first_ar = {}  # batch -> the headline mode's AR sequences: every mode is compared with them
@@ -507,7 +618,13 @@ def run_speedup(
             torch.cuda.empty_cache()  # the next mode's caches (native: T states per row) start from a clean pool
     if progress is not None:
         progress.close()
+    if hf_sequences is not None:  # before _strip drops the sequences
+        results["hf_check"] = run_hf_check(
+            target, hf_sequences, min(hf_check_tokens, max_new_tokens), check_batch, rows, prompts_of, index_of
+        )
+        log(hf_check_line(results["hf_check"]))
     for N, row in rows.items():
+        row["hf_check_lossless"] = _hf_check_lossless(results["hf_check"], N)
         if "hf" in row and not sampled:
             n = row["hf"]["new_tokens"]
             hf_ar = zip(row["hf"]["sequences"], row["ar"]["sequences"])  # HF's rows: the first batch's, AR's first
@@ -520,6 +637,41 @@ def run_speedup(
     if output_dir is not None:
         write_results(results, Path(output_dir))
     return results
+
+
+def run_hf_check(model, hf_sequences, new_tokens: int, batch_size: int, rows, prompts_of, index_of) -> dict:
+    """The HF greedy check of every batch size: ``rows[N]`` (the headline mode's ``ar`` and ``spec`` with their
+    sequences) against ``hf_sequences`` (HF greedy of every prompt, decoded in batches of ``batch_size``) over
+    the first ``new_tokens`` tokens (:func:`compare_with_hf`); ``prompts_of[N]`` / ``index_of[N]``: the rows'
+    prompts and their indices in the prompt set."""
+    return {
+        "new_tokens": new_tokens,
+        "batch_size": batch_size,
+        "prompts": len(hf_sequences),
+        "batches": {
+            str(N): compare_with_hf(model, hf_sequences, new_tokens, prompts_of[N], row, index_of[N])
+            for N, row in rows.items()
+        },
+    }
+
+
+def _hf_check_lossless(check: dict | None, N: int) -> bool | None:
+    """A batch row's ``hf_check_lossless``: its AR and spec rows all equal HF greedy (None: the check did not run)."""
+    if not check or "batches" not in check:
+        return None
+    got = check["batches"][str(N)]
+    return got["ar_rows_equal"] == got["spec_rows_equal"] == got["rows"]
+
+
+def hf_check_line(check: dict) -> str:
+    """The HF greedy check as one log line: rows equal per batch size and method, and the divergences' count."""
+    parts, divergences = [], 0
+    for N, got in check["batches"].items():
+        R = got["rows"]
+        parts.append(f"batch {N} AR {got['ar_rows_equal']}/{R}, spec {got['spec_rows_equal']}/{R}")
+        divergences += len(got["ar_divergences"]) + len(got["spec_divergences"])
+    found = f"; {divergences} divergent rows (results.md)" if divergences else ""
+    return f"HF greedy check over {check['new_tokens']} tokens, rows equal: " + "; ".join(parts) + found
 
 
 def prefill_widths(dec: Decoder) -> list[int]:

@@ -92,6 +92,7 @@ def _measure(cfg, modes, gemm) -> dict:
         batch_sizes=[int(b) for b in cfg.batch_sizes],
         max_new_tokens=int(cfg.max_new_tokens),
         hf_new_tokens=int(cfg.hf_new_tokens),
+        hf_check_tokens=int(cfg.get("hf_check_tokens", 0) or 0),
         runs=int(cfg.runs),
         copy_bytes=int(cfg.copy_bytes),
         predict_taus=taus,

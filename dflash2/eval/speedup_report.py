@@ -121,6 +121,7 @@ def markdown(results: dict) -> str:
                 lines.append(f"  - **prediction** at τ = {p['tau']:.2f}: speedup {p['speedup']:.2f}× over runtime AR")
             if sub["divergence"]:
                 lines.append(f"  - first divergence: {json.dumps(sub['divergence'])}")
+    lines += hf_check_lines(results.get("hf_check"))
     lines += speedup_gdn.markdown_lines(results)
     prof = results.get("profile_ar_batch1")
     if prof:
@@ -152,6 +153,44 @@ def markdown(results: dict) -> str:
             f"{_fmt(abl['ms_per_step'], 3)} ms/step ({bound / abl['ms_per_step']['median']:.0%} of bound).",
         ]
     return "\n".join(lines) + "\n"
+
+
+def hf_check_lines(check: dict | None) -> list[str]:
+    """The HF greedy check's section ([] when it was not asked for): rows equal per batch size and method,
+    and every divergence with its prompt, position, both tokens and the target's logit margin."""
+    if not check:
+        return []
+    if "skipped" in check:
+        return ["", f"HF greedy check ({check['new_tokens']} tokens): skipped, {check['skipped']}."]
+    n = check["new_tokens"]
+    lines = [
+        "",
+        f"HF greedy check (untimed): HF `generate` of each of the {check['prompts']} prompts once, in batches of "
+        f"{check['batch_size']}, against the headline mode's rows over the first {n} tokens (HF the reference; "
+        "margin: logit(HF token) − logit(runtime token) from the target's eager prefill):",
+        "",
+    ]
+    for N, got in check["batches"].items():
+        R = got["rows"]
+        lines.append(
+            f"- batch {N}: HF greedy vs runtime AR: {got['ar_rows_equal']}/{R} rows equal over {n} tokens; "
+            f"vs spec: {got['spec_rows_equal']}/{R}"
+        )
+        for key, name in (("ar", "AR"), ("spec", "spec")):
+            lines += [f"  - {name} {_hf_divergence_text(d)}" for d in got[f"{key}_divergences"]]
+    return lines
+
+
+def _hf_divergence_text(d: dict) -> str:
+    """One row's divergence from HF greedy, e.g. 'row 3 (prompt 3): position 512, HF 1234 vs 987, margin
+    0.0625 (top-2 0.0625, bfloat16)'; a row that is a prefix of the other: its lengths."""
+    where = f"row {d['row']} (prompt {d['prompt']}): position {d['position']}"
+    if "lengths" in d:
+        return f"{where}, lengths HF {d['lengths'][0]} vs {d['lengths'][1]}"
+    return (
+        f"{where}, HF {d['ref_token']} vs {d['got_token']}, margin {d['margin']:.4g} "
+        f"(top-2 {d['top2_margin']:.4g}, {d['dtype']})"
+    )
 
 
 def plot_breakdown(results: dict, path: Path) -> bool:
