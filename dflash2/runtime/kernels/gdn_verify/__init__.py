@@ -95,6 +95,10 @@ def gdn_verify_triton(
     x, a, b = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, a, b))
     if conv_state.stride(-1) != 1 or rec_state[0].stride() != (dk * dv, dv, 1):
         raise ValueError("conv_state needs contiguous columns and rec_state contiguous (H, d_k, d_v) per row")
+    bv = block_v or default_block_v(dv)
+    cbv = chunk_block_v or bv
+    if chunked and cbv % bv:  # an argument error, before the device check: the same message on every device
+        raise ValueError(f"chunk_block_v {cbv} must be a multiple of block_v {bv} (the pending counts' slices)")
     import triton  # here, not at import: the twins and GDNState's reference mode need no Triton
 
     from dflash2.runtime.kernels.gdn_verify.kernel import launch_verify
@@ -111,10 +115,6 @@ def gdn_verify_triton(
             raise ValueError(f"out holds x of {tuple(log.x.shape)} (channels contiguous); x is {tuple(x.shape)}")
     if log.native != native:
         raise ValueError(f"out is a {'native' if log.native else 'ReplaySSM'} log; this verify writes the other")
-    bv = block_v or default_block_v(dv)
-    cbv = chunk_block_v or bv
-    if chunked and cbv % bv:
-        raise ValueError(f"chunk_block_v {cbv} must be a multiple of block_v {bv} (the pending counts' slices)")
     if fold is not None:
         if out is None or native:
             raise ValueError("a pending fold is folded from the ReplaySSM log it was logged in: pass it as out")
