@@ -226,7 +226,7 @@ def test_eval_speedup_config_composes(overrides, tmp_path):
         assert cfg.shape in ("qwen3_8b", "small_hybrid") or (cfg.target, cfg.drafter, cfg.runs) == ("T", "D", 5)
     # null: the shape's own drafter block size and depth (dflash2.eval.speedup_setup.shape_drafter_config)
     assert cfg.block_size is None and cfg.drafter_layers is None
-    assert cfg.prefill_graph_tokens == 0  # eager prefill until the graphed one is measured
+    assert cfg.prefill_graph_tokens is None  # the runtime's default: graphed up to 64 tokens on CUDA, eager on CPU
     # hybrid targets: ReplaySSM (headline) and native rollback by default, every name one GDNState knows
     expected = ["reference", "replay"] if "gdn_modes=[reference,replay]" in overrides else ["replay", "native"]
     assert list(cfg.gdn_modes) == expected and set(expected) <= set(GDN_MODE_CHOICES)

@@ -107,7 +107,7 @@ def test_trained_pair_command_writes_results_and_is_lossless(pair_dirs, tmp_path
     res = json.loads((out / "results.json").read_text())
     _check(res, [1, 2])
     assert res["random_weights"] is False and res["block_size"] == 4 and res["num_prompts"] == 2
-    assert res["prefill_graph_tokens"] == 0  # the default: eager prefill
+    assert res["prefill_graph_tokens"] == 0  # the default, resolved: eager prefill on the CPU
     assert "prompts: 2 of 16 prompts asked" in caplog.text  # the config's num_prompts, a 2-prompt file: said
     assert seen and all(kw["prompts_per_document"] == 2 for kw in seen)  # the override reaches the loader
     assert all(row["predicted"] == [] for row in res["batches"].values())  # a trained pair: measured only

@@ -16,6 +16,7 @@ from conftest import RUNTIME_KINDS, nontrivial_dflash2, spec_drafter
 from dflash2.errors import DFlash2Error
 from dflash2.runtime import Decoder, load_model
 from dflash2.runtime.drafter import RuntimeDrafter
+from dflash2.runtime.engine import DEFAULT_PREFILL_GRAPH_TOKENS, default_prefill_graph_tokens
 from dflash2.runtime.kernels.triton_util import interpreting
 from dflash2.runtime.prefill import MIN_BUCKET, pad_to_bucket, prefill_bucket
 
@@ -61,7 +62,11 @@ def test_buckets_are_powers_of_two_from_16():
 
 def test_which_prompts_are_bucketed(pairs):
     model, drafter = pairs["qwen3"]
-    assert Decoder(model, drafter, max_len=64)._prefill_width(10) is None  # the default: off
+    assert Decoder(model, drafter, max_len=64)._prefill_width(10) is None  # the default without graphs: off
+    # with graphs the default buckets prompts up to DEFAULT_PREFILL_GRAPH_TOKENS; an explicit value wins either way
+    assert default_prefill_graph_tokens(True) == DEFAULT_PREFILL_GRAPH_TOKENS == 64
+    assert default_prefill_graph_tokens(False) == 0 and default_prefill_graph_tokens(True, 0) == 0
+    assert Decoder(model, drafter, max_len=64, graphs=False, prefill_graph_tokens=None).prefill_graph_tokens == 0
     dec = Decoder(model, drafter, max_len=40, prefill_graph_tokens=32)
     assert [dec._prefill_width(P) for P in (1, 16, 17, 32, 33)] == [16, 16, 32, 32, None]  # limit: the width P
     assert Decoder(model, drafter, max_len=30, prefill_graph_tokens=32)._prefill_width(17) is None  # 32 > max_len

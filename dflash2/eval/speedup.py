@@ -21,7 +21,7 @@ batches' summed wall time, prefills included), τ (over all rows) and the step-t
 between phases), the mean step time beside the median, and the time each generation spends outside
 its decode steps (``outside_steps_ms``: the pass's wall time less the sum of its step times, per
 generation — the prefill, the setup before it and the read-back after the steps). With
-``prefill_graph_tokens`` > 0 the Decoders prefill prompts up to that width as CUDA graphs
+``prefill_graph_tokens`` > 0 (the default on CUDA: 64) the Decoders prefill prompts up to that width as CUDA graphs
 (runtime/prefill.py; recorded in the results); the warm-up then runs twice, so that every prefill
 graph is captured before the timed runs. The weight-read bound is the model's weight bytes (one
 read per step) over the device-to-device copy bandwidth measured in the same run; the AR step's
@@ -66,6 +66,7 @@ from dflash2.eval import speedup_gdn
 from dflash2.eval.speedup_report import PHASES, decoded_text, lossless_text, write_results
 from dflash2.runtime import Decoder, kernels
 from dflash2.runtime.cache import attention_in_use
+from dflash2.runtime.engine import default_prefill_graph_tokens
 from dflash2.runtime.gemm import gemm_in_use
 from dflash2.runtime.graphs import PhaseTimer
 from dflash2.runtime.prefill import prefill_bucket
@@ -487,7 +488,7 @@ def run_speedup(
     extra: dict | None = None,
     sampling: dict | None = None,
     seed: int = 0,
-    prefill_graph_tokens: int = 0,
+    prefill_graph_tokens: int | None = None,
 ) -> dict:
     """Measure (a), (b), (c) for each batch size on ``pair`` (speedup_setup.Pair); write results if output_dir.
 
@@ -504,7 +505,8 @@ def run_speedup(
     a generator seeded with ``seed``: tokens/s and τ are measured, and no token comparison is made (sampled
     outputs of two methods differ by design; the runtime's T>0 distribution is checked by
     tests/test_runtime_sampling.py's chi-square tests). prefill_graph_tokens: every Decoder's (0: eager prefill;
-    > 0: prompts up to that width prefilled as CUDA graphs, runtime/prefill.py), recorded in the results.
+    > 0: prompts up to that width prefilled as CUDA graphs, runtime/prefill.py; None: the Decoder's default,
+    64 on CUDA and 0 on the CPU), recorded in the results as resolved.
     hf_check_tokens: 0 = off; n > 0 = HF greedy ``generate`` of every prompt once (n new tokens per row, untimed,
     in batches of max(batch_sizes) rows, :func:`hf_greedy`), compared at each batch size with the headline
     mode's AR and spec rows (:func:`compare_with_hf`): ``results["hf_check"]`` and each batch row's
@@ -516,6 +518,8 @@ def run_speedup(
     modes = speedup_gdn.plan_modes(target, gdn_modes)  # [] without GDN layers; user errors before any timing
     longest = max(len(p) for p in pair.prompts)
     max_len = longest + max_new_tokens + B + 1
+    # None: the Decoder's default (64 with CUDA graphs, 0 on the CPU), resolved here to make room and record it
+    prefill_graph_tokens = default_prefill_graph_tokens(device.type == "cuda", prefill_graph_tokens)
     if 0 < longest <= prefill_graph_tokens:  # the bucketed prefill writes K/V up to its bucket: room for it
         max_len = max(max_len, prefill_bucket(longest))
     bw = copy_bandwidth(device, copy_bytes)

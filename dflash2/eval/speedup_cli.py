@@ -105,7 +105,7 @@ def _measure(cfg, modes, gemm) -> dict:
         extra={"attention_setting": cfg.attention or "default", "gemm_setting": gemm or "cublas"},
         sampling=sampling,
         seed=int(cfg.seed),
-        prefill_graph_tokens=int(cfg.get("prefill_graph_tokens", 0) or 0),
+        prefill_graph_tokens=_optional_int(cfg.get("prefill_graph_tokens")),  # None: the Decoder's default
     )
     print(f"results in {cfg.paths.output_dir}")
     return results

@@ -20,10 +20,9 @@ context and every loop buffer (last token, counts, budgets, EOS ids, output, ste
 log) at fixed addresses, reused by every generation of that bucket. Each phase is a
 function of the slot alone, so with ``graphs=True`` (CUDA) each is captured once per
 (bucket, phase, attended-length bucket) and replayed afterwards (graphs.py); with
-``prefill_graph_tokens`` > 0 so is the prefill of prompts up to that width, per (bucket,
-prompt-width bucket). A batch
-of N rows runs in the slot of ``batch_bucket(N)``; the padding rows are inactive
-from the start. T>0 phases are captured too: on CUDA they draw from the Decoder's own
+``prefill_graph_tokens`` > 0 (by default 64 with graphs) so is the prefill of prompts up to
+that width, per (bucket, prompt-width bucket). A batch of N rows runs in the slot of
+``batch_bucket(N)``; the padding rows are inactive from the start. T>0 phases are captured too: on CUDA they draw from the Decoder's own
 generator, registered with every graph (a replay advances it as the eager call would),
 and seeded once per generation from the caller's generator; their hand-overs (the
 warped p, the drafts' q) live in slot buffers at fixed addresses. Each phase's key
@@ -163,6 +162,18 @@ def _key(params: SamplingParams) -> tuple:
     return ("greedy",) if params.greedy else (params.temperature, params.top_k, params.top_p)
 
 
+# prompts up to this many tokens are prefilled as CUDA graphs by default (with graphs on): the buckets 16, 32, 64
+DEFAULT_PREFILL_GRAPH_TOKENS = 64
+
+
+def default_prefill_graph_tokens(graphs: bool, value: int | None = None) -> int:
+    """A Decoder's prefill_graph_tokens: ``value`` when given, else :data:`DEFAULT_PREFILL_GRAPH_TOKENS` with
+    graphs and 0 (eager) without them (no launches to save on the CPU, and no padded work to pay there)."""
+    if value is not None:
+        return int(value)
+    return DEFAULT_PREFILL_GRAPH_TOKENS if graphs else 0
+
+
 class Decoder:
     """AR and speculative decoding of one runtime target (and drafter) with reusable per-bucket slots.
 
@@ -172,12 +183,14 @@ class Decoder:
     ``batch_bucket(N)`` (default: with graphs; eagerly a slot of exactly N rows wastes no work).
     poll_lag: steps between a step and the host's read of its (any active, longest row) (poll.py;
     default 1 on CUDA, so the host never waits for the step it just launched, 0 on the CPU).
-    prefill_graph_tokens: 0 (the default) = the prefill runs eagerly at the prompts' own width; > 0 = a
-    batch whose padded prompt width P is ≤ this is padded to ``prefill.prefill_bucket(P)`` (a power of two
-    ≥ 16; it must fit in max_len) and prefilled as a phase of its own, keyed by that width: captured and
-    replayed like the step phases when graphs are on, run eagerly (the same padded computation) when they
-    are off. Why: a short prompt's eager prefill is bound by its launches (prefill.py). Opt-in until it
-    is measured on a GPU. Cost: the padded tokens' compute, and in native GDN mode (the ablation) a prompt of
+    prefill_graph_tokens: 0 = the prefill runs eagerly at the prompts' own width; > 0 = a batch whose
+    padded prompt width P is ≤ this is padded to ``prefill.prefill_bucket(P)`` (a power of two ≥ 16; it
+    must fit in max_len) and prefilled as a phase of its own, keyed by that width: captured and replayed
+    like the step phases when graphs are on, run eagerly (the same padded computation) when they are off;
+    None (the default) = :data:`DEFAULT_PREFILL_GRAPH_TOKENS` with graphs, 0 without. Why: a short
+    prompt's eager prefill is bound by its launches (prefill.py); on the H200 the graphed prefill of a
+    64-token prompt took a generation's time outside its steps from 19.5 to 2.9 ms (docs/BENCHMARKS.md,
+    stop 16). Cost: the padded tokens' compute, and in native GDN mode (the ablation) a prompt of
     < 16 tokens padded to 16 stores 16 per-position states per GDN layer during its prefill.
     Attributes set by callers: ``timer`` (a :class:`~dflash2.runtime.graphs.PhaseTimer` or None) and
     ``on_step`` (called with the slot after each step: progress bars, tests).
@@ -193,7 +206,7 @@ class Decoder:
         pad: bool | None = None,
         buckets=BATCH_BUCKETS,
         poll_lag: int | None = None,
-        prefill_graph_tokens: int = 0,
+        prefill_graph_tokens: int | None = None,
     ):
         if drafter is not None and not hasattr(drafter, "propose"):  # a DFlashDrafter or its folder
             drafter = RuntimeDrafter(drafter, model)
@@ -208,6 +221,7 @@ class Decoder:
         # that the GPU always has the next step queued; on the CPU nothing runs ahead of the host anyway
         self.poll_lag = (1 if cuda else 0) if poll_lag is None else int(poll_lag)
         self.pad = self.graphs if pad is None else bool(pad)
+        prefill_graph_tokens = default_prefill_graph_tokens(self.graphs, prefill_graph_tokens)
         if prefill_graph_tokens < 0:
             raise DFlash2Error(f"prefill_graph_tokens={prefill_graph_tokens} must be ≥ 0 (0 = eager prefill)")
         self.prefill_graph_tokens = int(prefill_graph_tokens)
