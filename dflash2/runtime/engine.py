@@ -22,11 +22,12 @@ function of the slot alone, so with ``graphs=True`` (CUDA) each is captured once
 (bucket, phase, attended-length bucket) and replayed afterwards (graphs.py); with
 ``prefill_graph_tokens`` > 0 (by default 64 with graphs) so is the prefill of prompts up to
 that width, per (bucket, prompt-width bucket). A batch of N rows runs in the slot of
-``batch_bucket(N)``; the padding rows are inactive from the start. T>0 phases are captured too: on CUDA they draw from the Decoder's own
-generator, registered with every graph (a replay advances it as the eager call would),
-and seeded once per generation from the caller's generator; their hand-overs (the
-warped p, the drafts' q) live in slot buffers at fixed addresses. Each phase's key
-carries the sampling parameters, which a graph bakes in.
+``batch_bucket(N)``; the padding rows are inactive from the start. T>0 phases are
+captured too: on CUDA they draw from the Decoder's own generator, registered with every
+graph (a replay advances it as the eager call would), and seeded once per generation
+from the caller's generator; their hand-overs (the warped p, the drafts' q) live in slot
+buffers at fixed addresses. Each phase's key carries the sampling parameters, which a
+graph bakes in.
 
 :func:`generate_ar` / :func:`generate_spec` are one-generation conveniences over a
 fresh eager Decoder. Shapes: N rows (Nb in the slot), P_max longest prompt, B block,
