@@ -75,6 +75,15 @@ def _check(res, batches):
             # the steps lie inside the generation's wall time, and it has steps: the rest is less than all of it
             assert 0 <= outside < whole and 0 < mean < whole
             assert r["outside_steps_ms"]["n"] == r["ms_per_step"]["n"]  # one figure per run
+            spread = r["step_spread"]  # over every timed generation's steps (step_spread.py)
+            pct = [spread["percentiles_ms"][k] for k in ("p10", "p50", "p90", "p99", "max")]
+            assert pct == sorted(pct) and pct[0] > 0 and len(spread["mean_ms_by_quarter"]) == 4
+            # spec: every verify step after a row's first falls in one group of the previous step's count
+            groups = spread.get("mean_ms_by_previous_emitted")
+            assert (groups is None) == (key == "ar")
+            if groups:
+                assert {int(n) for n in groups} <= set(range(1, res["block_size"] + 1))  # JSON keys: str
+                assert all(g["steps"] > 0 for g in groups.values())
         assert set(row["spec"]["phases_ms"]) == {"draft", "verify", "accept", "commit", "gap"}
         assert {"verify", "accept", "commit"} <= set(row["ar"]["phases_ms"])
         assert row["spec"]["tau"] >= 1 and row["lossless"] is True and row["divergence"] is None

@@ -18,8 +18,10 @@ Each is warmed up (a full pass over the batches: graphs captured, kernels compil
 step time (over the steps of all its batches), tokens/s (generated tokens of all rows over the
 batches' summed wall time, prefills included), τ (over all rows) and the step-time breakdown
 (draft / verify / accept / commit = rollback, and the host gap between steps, from CUDA events
-between phases), the mean step time beside the median, and the time each generation spends outside
-its decode steps (``outside_steps_ms``: the pass's wall time less the sum of its step times, per
+between phases), the mean step time beside the median, the spread of the step times
+(``step_spread``: percentiles, the mean per quarter of a generation and, for spec, per count of
+tokens the previous step emitted; step_spread.py), and the time each generation spends outside its
+decode steps (``outside_steps_ms``: the pass's wall time less the sum of its step times, per
 generation — the prefill, the setup before it and the read-back after the steps). With
 ``prefill_graph_tokens`` > 0 (the default on CUDA: 64) the Decoders prefill prompts up to that width as CUDA graphs
 (runtime/prefill.py; recorded in the results); the warm-up then runs twice, so that every prefill
@@ -62,7 +64,7 @@ from pathlib import Path
 import torch
 
 from dflash2.decoding.decoder import SpecResult
-from dflash2.eval import speedup_gdn
+from dflash2.eval import speedup_gdn, step_spread
 from dflash2.eval.speedup_report import PHASES, decoded_text, lossless_text, write_results
 from dflash2.runtime import Decoder, kernels
 from dflash2.runtime.cache import attention_in_use
@@ -277,6 +279,7 @@ def time_runtime(
             gen(batch)
     per_run, walls, toks, outs = [], [], [], []
     mean_steps, generation, outside = [], [], []
+    step_series, emitted = [], []  # every timed generation's step ms, and (spec) its rows' emitted counts
     for _ in range(runs):
         timers, outs, wall = [], [], 0.0
         for batch in batches:
@@ -291,6 +294,8 @@ def time_runtime(
             if progress is not None:
                 progress.update(1)
         dec.timer = None
+        step_series += [timer.summary().get("step", []) for timer in timers]
+        emitted += [res.emitted for _, res in outs if res is not None]
         pooled = _pooled(timers)
         per_run.append({k: statistics.median(v) for k, v in pooled.items()})
         steps = pooled.get("step", [])
@@ -306,6 +311,8 @@ def time_runtime(
         "generation_ms": _stats(generation),
         "outside_steps_ms": _stats(outside),
         "phases_ms": {p: _stats([r[p] for r in per_run]) for p in PHASES if all(p in r for r in per_run)},
+        # which steps make the mean exceed the median (step_spread.py), over every timed generation
+        "step_spread": step_spread.spread(step_series, emitted if spec else None),
         "new_tokens": new_tokens,
         "decoded": decoded(list(prompts), batches),
         "sequences": [seq for seqs, _ in outs for seq in seqs],

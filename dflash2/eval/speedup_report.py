@@ -11,7 +11,7 @@ import json
 import math
 from pathlib import Path
 
-from dflash2.eval import speedup_gdn
+from dflash2.eval import speedup_gdn, step_spread
 
 PHASES = ("draft", "verify", "accept", "commit", "gap")  # the step's phases as PhaseTimer names them
 
@@ -122,6 +122,7 @@ def markdown(results: dict) -> str:
             if sub["divergence"]:
                 lines.append(f"  - first divergence: {json.dumps(sub['divergence'])}")
     lines += hf_check_lines(results.get("hf_check"))
+    lines += step_spread.markdown_lines(results)
     lines += speedup_gdn.markdown_lines(results)
     prof = results.get("profile_ar_batch1")
     if prof:
