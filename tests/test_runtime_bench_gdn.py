@@ -7,10 +7,12 @@ the shape formula, that formula gives the issue's memory target at the Qwen3.5-9
 less than native), and the sweep's kernel options reach their kernels in every mode.
 """
 
+import json
+
 import pytest
 import torch
 
-from dflash2.runtime.bench_gdn import GDNShape, main, measure, spec_bytes
+from dflash2.runtime.bench_gdn import GDNShape, Row, main, measure, report, spec_bytes
 from dflash2.runtime.kernels.triton_util import interpreting
 
 
@@ -77,3 +79,28 @@ def test_every_kernel_option_of_the_sweep_reaches_its_kernel(monkeypatch):
         assert launches and all(
             (kw["chunk_block_v"], kw["num_warps"], kw["block_k"]) == (8, 2, 16) for kw in launches
         ), mode
+
+
+def test_targets_are_checked_on_each_modes_fastest_row():
+    # two option sets per mode: the summary lines use the faster one, whatever the order of the rows
+    def row(mode, total, options):
+        return Row(1, mode, total - 1.0, 1.0, total, 100 if mode == "replay" else 5000, 10, options)
+
+    rows = [row("replay", 20.0, {}), row("replay", 16.0, {"chunked": True}), row("native", 30.0, {})]
+    text = report(rows, 16)
+    assert "native ÷ replay time 1.88×" in text and "replay 16.0 µs per GDN layer" in text
+    assert "fastest row" in text
+    assert "fastest row" not in report(rows[1:], 16)  # one row per (batch, mode): nothing to say
+
+
+@pytest.mark.skipif(not interpreting(), reason="CPU tensors need TRITON_INTERPRET=1")
+def test_another_gdn_shape_from_json(capsys):
+    dims = dict(num_layers=1, num_k_heads=2, num_v_heads=4, head_k_dim=6, head_v_dim=5, conv_kernel=3)
+    args = ["--device", "cpu", "--batch", "1", "--block", "2", "--iters", "1", "--warmup", "0", "--dtype", "float32"]
+    rows = main([*args, "--modes", "replay", "--shape", json.dumps(dims)])
+    assert len(rows) == 1 and rows[0].spec_bytes_per_request == spec_bytes(
+        GDNShape(**dims), 2, "replay", x_itemsize=4, deferred=True
+    )
+    assert "'num_v_heads': 4" in capsys.readouterr().out  # the shape printed is the one given
+    with pytest.raises(SystemExit):
+        main([*args, "--tiny", "--shape", json.dumps(dims)])
