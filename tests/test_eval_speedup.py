@@ -167,8 +167,8 @@ def test_random_shape_predicts_and_labels_it(tmp_path, monkeypatch):
 
 
 def test_bucketed_prefill_is_passed_on_and_recorded(tmp_path, monkeypatch, capsys):
-    """prefill_graph_tokens reaches every Decoder (on the CPU: the padded prefill, eagerly), is recorded, and
-    the run stays lossless; the per-batch line reports the time outside the steps."""
+    """prefill_graph_tokens (and gc_pause) reach every Decoder (on the CPU: the padded prefill, eagerly), are
+    recorded, and the run stays lossless; the per-batch line reports the time outside the steps."""
     from dflash2.runtime import Decoder
 
     made = []
@@ -183,11 +183,13 @@ def test_bucketed_prefill_is_passed_on_and_recorded(tmp_path, monkeypatch, capsy
         "drafter_layers=1",
         "prompt_tokens=6",
         "prefill_graph_tokens=16",
+        "gc_pause=false",  # the ablation switch rides along: it reaches every Decoder and the results
         f"paths.output_dir={out}",
     )
     res = json.loads((out / "results.json").read_text())
     _check(res, [1])
     assert res["prefill_graph_tokens"] == 16 and made and all(kw["prefill_graph_tokens"] == 16 for kw in made)
+    assert res["gc_pause"] is False and all(kw["gc_pause"] is False for kw in made)
     md = (out / "results.md").read_text()
     assert res["batches"]["1"]["prefill_widths"] == [16]  # the bucketed prefill really ran, at width 16
     assert "Prefill: padded to a bucket for prompts ≤ 16 tokens, a CUDA graph on a GPU (longer: eager); " in md

@@ -243,3 +243,36 @@ def test_slot_keeps_phase_results_at_one_address():
     # a graph bakes the sampling parameters in: they are part of the phase key
     assert _key(SamplingParams(0.0, 5, 0.5)) == _key(SamplingParams()) == ("greedy",)
     assert _key(SamplingParams(0.7, 5, 0.9)) != _key(SamplingParams(0.7, 5, 1.0))
+
+
+def test_decode_loop_pauses_the_garbage_collector(runtimes):
+    """The decode loop runs with the cyclic GC off by default (a collection longer than a step would idle
+    the GPU), restores it afterwards, even after an error, and gc_pause=False leaves it alone."""
+    import gc
+
+    from dflash2.runtime import Decoder
+    from dflash2.runtime.engine import collector_paused
+
+    _, model, full = runtimes["qwen3"]
+    seen = []
+    dec = Decoder(model, max_len=64)
+    dec.on_step = lambda s: seen.append(gc.isenabled())
+    assert gc.isenabled()
+    assert dec.generate_ar(PROMPTS[:1], 4) == _expected(full[:1], PROMPTS[:1], 4)
+    assert seen and not any(seen) and gc.isenabled()  # off in every step, back on after
+    seen.clear()
+    dec = Decoder(model, max_len=64, gc_pause=False)
+    dec.on_step = lambda s: seen.append(gc.isenabled())
+    dec.generate_ar(PROMPTS[:1], 4)
+    assert seen and all(seen)
+    with pytest.raises(RuntimeError), collector_paused():
+        assert not gc.isenabled()
+        raise RuntimeError("a failing step")
+    assert gc.isenabled()
+    gc.disable()  # a caller that keeps the collector off has it off after the loop too
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -496,6 +496,7 @@ def run_speedup(
     sampling: dict | None = None,
     seed: int = 0,
     prefill_graph_tokens: int | None = None,
+    gc_pause: bool = True,
 ) -> dict:
     """Measure (a), (b), (c) for each batch size on ``pair`` (speedup_setup.Pair); write results if output_dir.
 
@@ -513,7 +514,8 @@ def run_speedup(
     outputs of two methods differ by design; the runtime's T>0 distribution is checked by
     tests/test_runtime_sampling.py's chi-square tests). prefill_graph_tokens: every Decoder's (0: eager prefill;
     > 0: prompts up to that width prefilled as CUDA graphs, runtime/prefill.py; None: the Decoder's default,
-    64 on CUDA and 0 on the CPU), recorded in the results as resolved.
+    64 on CUDA and 0 on the CPU), recorded in the results as resolved. gc_pause: every Decoder's (its decode loops with
+    Python's cyclic garbage collector off, the runtime's default; False: the ablation), recorded.
     hf_check_tokens: 0 = off; n > 0 = HF greedy ``generate`` of every prompt once (n new tokens per row, untimed,
     in batches of max(batch_sizes) rows, :func:`hf_greedy`), compared at each batch size with the headline
     mode's AR and spec rows (:func:`compare_with_hf`): ``results["hf_check"]`` and each batch row's
@@ -545,6 +547,7 @@ def run_speedup(
         "sampling": dict(sampling or GREEDY),
         "num_prompts": len(pair.prompts),  # every runtime row decodes all (see each method's ``decoded``)
         "prefill_graph_tokens": int(prefill_graph_tokens),  # 0: eager prefill
+        "gc_pause": bool(gc_pause),  # the decode loops ran with Python's cyclic GC off
         **(extra or {}),
         "attention": attention_in_use(device),  # what decode blocks ran (prefill: SDPA), fallbacks applied
         "gemm": gemm_in_use(device),  # what the target's decode-sized projections ran, fallbacks applied
@@ -589,7 +592,9 @@ def run_speedup(
             progress.set_description(f"timed generations, GDN {mode}")
         with speedup_gdn.gdn_mode(target, mode, gdn_kernel_options):
             # new states (and graphs) in this mode
-            dec = Decoder(target, drafter, max_len=max_len, prefill_graph_tokens=prefill_graph_tokens)
+            dec = Decoder(
+                target, drafter, max_len=max_len, prefill_graph_tokens=prefill_graph_tokens, gc_pause=gc_pause
+            )
             for N in batch_sizes:
                 prompts = prompts_of[N]
                 sub = _measure_mode(dec, prompts, *measured, batch_size=N, prompt_index=index_of[N])
@@ -614,7 +619,9 @@ def run_speedup(
                     # the same graphs with the eager twins inside and SDPA attention: what our Triton kernels buy;
                     # on the first prompt only (a step-time figure at batch 1; its ``decoded`` says so)
                     with kernels.kernels(False):
-                        plain = Decoder(target, None, max_len=max_len, prefill_graph_tokens=prefill_graph_tokens)
+                        plain = Decoder(
+                            target, None, max_len=max_len, prefill_graph_tokens=prefill_graph_tokens, gc_pause=gc_pause
+                        )
                         results["ablation_ar_batch1_no_fused_kernels"] = {
                             **_strip(
                                 time_runtime(plain, pair.prompts[:1], max_new_tokens, runs, False, None, sampling, seed)

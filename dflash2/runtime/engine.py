@@ -36,7 +36,9 @@ V vocabulary.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterable
+from contextlib import contextmanager
 
 import torch
 
@@ -163,6 +165,24 @@ def _key(params: SamplingParams) -> tuple:
     return ("greedy",) if params.greedy else (params.temperature, params.top_k, params.top_p)
 
 
+@contextmanager
+def collector_paused(pause: bool = True):
+    """Python's cyclic garbage collector off inside (when ``pause``), back to its previous state after.
+
+    Why: the host launches each step about one step ahead of the GPU (poll.py), so any host pause
+    longer than a step — a full collection walks every tracked object, torch's and transformers'
+    included — leaves the GPU idle and lands in that step's time. Reference counting still frees
+    everything without cycles; a decode loop makes few cycles, and they are collected afterwards."""
+    was_enabled = gc.isenabled()
+    if pause:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if pause and was_enabled:
+            gc.enable()
+
+
 # prompts up to this many tokens are prefilled as CUDA graphs by default (with graphs on): the buckets 16, 32, 64
 DEFAULT_PREFILL_GRAPH_TOKENS = 64
 
@@ -193,6 +213,8 @@ class Decoder:
     64-token prompt took a generation's time outside its steps from 19.5 to 2.9 ms (docs/BENCHMARKS.md,
     stop 16). Cost: the padded tokens' compute, and in native GDN mode (the ablation) a prompt of
     < 16 tokens padded to 16 stores 16 per-position states per GDN layer during its prefill.
+    gc_pause: the decode loop runs with Python's cyclic garbage collector off (:func:`collector_paused`;
+    default on, False for the ablation).
     Attributes set by callers: ``timer`` (a :class:`~dflash2.runtime.graphs.PhaseTimer` or None) and
     ``on_step`` (called with the slot after each step: progress bars, tests).
     """
@@ -208,6 +230,7 @@ class Decoder:
         buckets=BATCH_BUCKETS,
         poll_lag: int | None = None,
         prefill_graph_tokens: int | None = None,
+        gc_pause: bool = True,
     ):
         if drafter is not None and not hasattr(drafter, "propose"):  # a DFlashDrafter or its folder
             drafter = RuntimeDrafter(drafter, model)
@@ -226,6 +249,7 @@ class Decoder:
         if prefill_graph_tokens < 0:
             raise DFlash2Error(f"prefill_graph_tokens={prefill_graph_tokens} must be ≥ 0 (0 = eager prefill)")
         self.prefill_graph_tokens = int(prefill_graph_tokens)
+        self.gc_pause = bool(gc_pause)
         self.kv_bucket = GRAPH_KV_BUCKET if self.graphs else KV_BUCKET
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
         # T>0 on CUDA: one generator of the Decoder's, seeded per generation from the caller's (see
@@ -318,15 +342,17 @@ class Decoder:
     def _loop(self, s: Slot, T: int, step_fn) -> None:
         """Steps until no row is active. The host's one read per step is (any row active, longest row) of the
         step ``poll_lag`` steps back (poll.py): attention reads up to a bound of the longest row, and the last
-        ``poll_lag`` steps run with every row finished (they commit and emit nothing)."""
-        go = s.poll.start(s.active, s.state.lengths)
-        while go:
-            if self.timer is not None:
-                self.timer.begin_step()
-            step_fn(_kv_len(s.poll.longest_bound(T), T, self.max_len, self.kv_bucket))
-            if self.on_step is not None:
-                self.on_step(s)
-            go = s.poll.after_step(s.active, s.state.lengths)
+        ``poll_lag`` steps run with every row finished (they commit and emit nothing). With ``gc_pause`` the
+        cyclic garbage collector is off meanwhile (:func:`collector_paused`)."""
+        with collector_paused(self.gc_pause):
+            go = s.poll.start(s.active, s.state.lengths)
+            while go:
+                if self.timer is not None:
+                    self.timer.begin_step()
+                step_fn(_kv_len(s.poll.longest_bound(T), T, self.max_len, self.kv_bucket))
+                if self.on_step is not None:
+                    self.on_step(s)
+                go = s.poll.after_step(s.active, s.state.lengths)
 
     # ------------------------------------------------------------------ phases (functions of the slot)
     def _commit(self, s: Slot, T: int, spec: bool) -> None:
