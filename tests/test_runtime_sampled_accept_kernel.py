@@ -134,8 +134,8 @@ def test_kernel_equals_twin(interpret, monkeypatch, N, P, q):
     assert len(launches) == 2 * 4 * len(devices)  # the kernels ran (the inputs fit them): chunks, then the finish
 
 
-def test_kernel_equals_twin_over_two_default_chunks(interpret):
-    """A vocabulary of 2500: two chunks of the default 2048, the second partial, p in bf16."""
+def test_kernel_equals_twin_over_default_chunks(interpret):
+    """A vocabulary of 2500: three chunks of the default 1024, the last partial, p in bf16."""
     g = torch.Generator().manual_seed(0)
     N, P, Vb = 3, 7, 2500
     p = torch.softmax(3 * torch.randn(N, P + 1, Vb, generator=g), -1).bfloat16()
