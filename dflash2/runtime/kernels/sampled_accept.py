@@ -137,7 +137,8 @@ def _race_chunk_kernel(
     kk = tl.arange(0, BLOCK_K)
     dm, km = jj < P, kk < K
     # ---- the accepted prefix: p_i(d_i), q_i(d_i), u_i at the P drafted positions (every chunk walks it:
-    # P gathers, cheap beside the chunk's reads, and a third launch or a wait on chunk 0 would cost more)
+    # P gathers beside the chunk's 2 · BLOCK_V reads, where a third launch, or chunks waiting on chunk 0,
+    # would add a serial step)
     d = tl.load(dr_ptr + r * P + jj, mask=dm, other=0)
     px = tl.load(p_ptr + (r * B + jj) * V + d, mask=dm, other=0.0).to(tl.float32)
     if DENSE:
