@@ -1,9 +1,10 @@
-"""The T>0 accept in one launch (dflash2/runtime/kernels/sampled_accept.py): kernel == twin, twin ~ the old path.
+"""The T>0 accept in two launches (dflash2/runtime/kernels/sampled_accept.py): kernel == twin, twin ~ the old path.
 
 * kernel == twin exactly (the whole slot buffers: tokens, counts, flags, commits, the log), on random
   rows: batch 1 and ragged batches, P = 0 / 3 / 7 / 15, point masses, k-sparse and dense q, EOS inside
   the block, budget cuts, inactive rows, a vocabulary that is no multiple of the chunk, rows whose
-  residual is zero (the fallback draw from p_a) and rows that accept every draft;
+  residual is zero (the fallback draw from p_a) and rows that accept every draft; many chunks, with
+  maxima in late chunks and exact ties across chunks (the first index wins), also in the fallback;
 * twin == the unfused path (``step.accept_sampled`` + the engine's bookkeeping before the fusion) for one
   generator state: the same accepted counts everywhere, and the same bonus tokens, emissions, commits
   and flags in every row whose bonus draw is not a near-tie (the twin leaves the residual unnormalised,
@@ -130,11 +131,11 @@ def test_kernel_equals_twin(interpret, monkeypatch, N, P, q):
                 got = _run(sampled_accept, *args, block_v=block_v)
                 for k in twin:
                     assert torch.equal(got[k].cpu(), twin[k]), (device, block_v, k)
-    assert len(launches) == 4 * len(devices)  # the kernel ran (the inputs fit it)
+    assert len(launches) == 2 * 4 * len(devices)  # the kernels ran (the inputs fit them): chunks, then the finish
 
 
-def test_kernel_equals_twin_over_two_default_chunks(interpret):
-    """A vocabulary of 2500: two chunks of the default 2048, the second partial, p in bf16."""
+def test_kernel_equals_twin_over_default_chunks(interpret):
+    """A vocabulary of 2500: three chunks of the default 1024, the last partial, p in bf16."""
     g = torch.Generator().manual_seed(0)
     N, P, Vb = 3, 7, 2500
     p = torch.softmax(3 * torch.randn(N, P + 1, Vb, generator=g), -1).bfloat16()
@@ -189,6 +190,95 @@ def test_exact_ties_and_the_strict_accept(interpret):
     for device in kernel_devices():
         got = _run(sampled_accept, *(_to(x, device) for x in (p, proposal, u, race, buf)), block_v=BLOCK_V)
         assert all(torch.equal(got[k].cpu(), twin[k]) for k in twin)
+
+
+def _many_chunk_rows(q):
+    """4 rows over a vocabulary of 325 (21 chunks of 16, the last of 5), P = 2, q sparse (k = 3) or the same
+    densified, built so that the bonus is known: (p, proposal, u, race, the bonuses).
+
+    row 0: rejected at 0; residual maxima tie exactly at 290 and 305 (chunks 18 and 19): 290;
+    row 1: both drafts accepted; the residual p_2 peaks at 323, in the partial last chunk;
+    row 2: rejected at 1 with p_1 = q_1 / 2, a zero residual in every chunk: the fallback p_1 / race,
+           whose maxima tie at 40 and 200 (chunks 2 and 12): 40;
+    row 3: the same fallback, its maximum alone at 310 (chunk 19)."""
+    Vm, N, P = 325, 4, 2
+    g = torch.Generator().manual_seed(0)
+    ids = torch.tensor([[3, 50, 70], [9, 11, 13]]).repeat(N, 1, 1)
+    ids[2:, 1] = torch.tensor([40, 200, 310])
+    probs = torch.tensor([0.5, 0.25, 0.25]).repeat(N, P, 1)
+    probs[2:, 1] = torch.tensor([0.4, 0.4, 0.2])
+    drafts = ids[..., 0].contiguous()
+    sparse = Proposal(drafts, ids, probs)
+    p = torch.full((N, P + 1, Vm), 1e-3)
+    p[0, 0, 3] = 0.01  # u · q(3) = 0.45 ≥ 0.01: rejected
+    p[0, 0, [290, 305]] = 0.2
+    p[1, 2, 323] = 0.3
+    p[2:, 1] = sparse.densify(Vm)[2:, 1] / 2  # p_1(40) = 0.2 ≤ u · q_1(40) = 0.24: rejected, nothing left
+    u = torch.tensor([[0.9, 0.0], [0.0, 0.0], [0.0, 0.6], [0.0, 0.6]])
+    race = 0.05 + torch.empty(N, Vm).exponential_(generator=g)
+    race[0, [290, 305]] = 0.01
+    race[1, 323] = 0.01
+    race[2, [40, 200]] = 0.5
+    race[3, 310] = 0.01
+    proposal = Proposal(drafts, dense=sparse.densify(Vm)) if q == "dense" else sparse
+    return p, proposal, u, race, [290, 323, 40, 310]
+
+
+@pytest.mark.parametrize("q", ["sparse", "dense"])
+def test_many_chunks_late_maxima_ties_and_the_fallback(interpret, q):
+    """The chunk partials' merge equals a global first-index argmax: maxima in late chunks (the last one
+    partial), exact ties across chunks (the first index wins), the fallback where every chunk's residual is 0."""
+    p, proposal, u, race, bonuses = _many_chunk_rows(q)
+    N, P = u.shape
+    z = dict(dtype=torch.long)
+    buf = dict(
+        eos=torch.tensor([-1, -1]),
+        active=torch.ones(N, dtype=torch.bool),
+        count=torch.zeros(N, **z),
+        limit=torch.full((N,), 9),
+        out=torch.full((N, P + 2), -5, **z),
+        commit_n=torch.zeros(N, **z),
+        token=torch.zeros(N, **z),
+        log=torch.zeros(1, 3, N, **z),
+        step=torch.tensor([0]),
+    )
+    twin = _run(sampled_accept_ref, p, proposal, u, race, buf)
+    assert twin["log"][0, 1].tolist() == [0, 2, 1, 1] and twin["token"].tolist() == bonuses
+    resid, _ = residual(p, with_q(proposal), twin["log"][0, 1])
+    assert resid[:2].amax(-1).gt(0).all() and resid[2:].eq(0).all()  # rows 2 and 3 take the fallback
+    for device in kernel_devices():
+        for block_v in (16, 32, None):  # 21 chunks, 11 chunks, one chunk of 512
+            got = _run(sampled_accept, *(_to(x, device) for x in (p, proposal, u, race, buf)), block_v=block_v)
+            for k in twin:
+                assert torch.equal(got[k].cpu(), twin[k]), (device, block_v, k)
+
+
+def test_the_launches_at_qwen3_8b_vocabulary(interpret, monkeypatch):
+    """At V = 151,936 (block 16, batch 1) the chunk launch has 149 programs per row, the finish one; a
+    sparse q of k = 16 halves the chunk (its membership tile): 297."""
+    import dflash2.runtime.kernels.sampled_accept as mod
+
+    grids = []
+
+    class Launch:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: grids.append((self.fn.__name__, grid, k.get("BLOCK_V")))
+
+    monkeypatch.setattr(mod, "jit", lambda fn, **k: Launch(fn))
+    Vq, P = 151_936, 15
+    p, race = torch.zeros(1, P + 1, Vq), torch.ones(1, Vq)
+    drafts = torch.zeros(1, P, dtype=torch.long)
+    z = dict(dtype=torch.long)
+    slots = [torch.tensor([-1, -1]), torch.ones(1, dtype=torch.bool), *(torch.zeros(1, **z) for _ in range(2))]
+    slots += [torch.zeros(1, 32, **z), torch.zeros(1, **z), torch.zeros(1, **z)]
+    ids = torch.arange(16).repeat(1, P, 1)
+    for proposal, chunks, block in ((Proposal(drafts), 149, 1024), (Proposal(drafts, ids, ids.float()), 297, 512)):
+        grids.clear()
+        sampled_accept(p, proposal, torch.zeros(1, P), race, *slots)
+        assert grids == [("_race_chunk_kernel", (1, chunks), block), ("_sampled_accept_finish_kernel", (1,), None)]
 
 
 def test_kernels_off_runs_the_twin(monkeypatch):

@@ -402,7 +402,7 @@ class Decoder:
             )  # fmt: skip
             s.step.add_(1)
             return
-        # T>0: rejection sampling and the same bookkeeping (kernels/sampled_accept.py: one launch on CUDA after
+        # T>0: rejection sampling and the same bookkeeping (kernels/sampled_accept.py: two launches on CUDA after
         # the step's draws, made here in torch in the unfused order so that the generator advances alike)
         u, race = accept_noise(s.probs, s.drafts.shape[1], generator)
         sampled_accept(

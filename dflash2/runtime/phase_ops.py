@@ -222,7 +222,8 @@ FUSED = (
     ("dflash2.runtime.gdn_state", "GDNState.verify", 2),
     ("dflash2.runtime.gdn_state", "GDNState.commit", 1),
     ("dflash2.runtime.kernels.accept", "greedy_accept_ref", 1),  # the T=0 accept's bookkeeping
-    ("dflash2.runtime.kernels.sampled_accept", "sampled_accept_ref", 1),  # the T>0 accept after its draws
+    # the T>0 accept after its draws: the vocabulary's chunks, then the merge and the bookkeeping
+    ("dflash2.runtime.kernels.sampled_accept", "sampled_accept_ref", 2),
     # the selector's top-k: torch.topk on the CPU, kernels/topk.py's two launches on CUDA (V > its chunk)
     ("dflash2.drafter.selector", "CandidateSelector.top_candidates", 2),
 )

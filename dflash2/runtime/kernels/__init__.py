@@ -26,8 +26,9 @@ These kernels fold each such group into one launch:
   verify's argmax (accepted prefix, bonus, EOS / budget cut, output write, counters), one program per
   row, in place on the decode slot's buffers (twin: the same in a dozen-odd tensor ops; integer, exact);
 * :func:`~dflash2.runtime.kernels.sampled_accept.sampled_accept`: the T>0 accept phase: rejection sampling
-  (accepted prefix, the residual's exponential race over the vocabulary in chunks) and the same bookkeeping,
-  one program per row, after the step's draws made in torch (twin: the same elementwise fp32 ops; exact);
+  (accepted prefix, the residual's exponential race over the vocabulary) and the same bookkeeping in two
+  launches, one program per (row, vocabulary chunk), then one per row merging the chunks' maxima, after the
+  step's draws made in torch (twin: the same elementwise fp32 ops; exact);
 * :func:`~dflash2.runtime.kernels.act.silu_mul`: the SwiGLU activation;
 * :func:`~dflash2.runtime.kernels.output_gate.output_gate`: gated attention's y · sigmoid(gate) with the
   head transpose, straight from the attention output and the fused projection's gate slice;
