@@ -78,6 +78,8 @@ def _check(res, batches):
             spread = r["step_spread"]  # over every timed generation's steps (step_spread.py)
             pct = [spread["percentiles_ms"][k] for k in ("p10", "p50", "p90", "p99", "max")]
             assert pct == sorted(pct) and pct[0] > 0 and len(spread["mean_ms_by_quarter"]) == 4
+            per_run = spread["per_run_ms"]  # one entry per timed run: a slow run shows apart from slow steps
+            assert len(per_run) == r["ms_per_step"]["n"] and all(x["p10"] <= x["mean"] <= x["max"] for x in per_run)
             # spec: every verify step after a row's first falls in one group of the previous step's count
             groups = spread.get("mean_ms_by_previous_emitted")
             assert (groups is None) == (key == "ar")
@@ -183,17 +185,17 @@ def test_bucketed_prefill_is_passed_on_and_recorded(tmp_path, monkeypatch, capsy
         "drafter_layers=1",
         "prompt_tokens=6",
         "prefill_graph_tokens=16",
-        "gc_pause=false",  # the ablation switch rides along: it reaches every Decoder and the results
+        "gc_pause=true",  # the collector switch rides along: it reaches every Decoder and the results
         f"paths.output_dir={out}",
     )
     res = json.loads((out / "results.json").read_text())
     _check(res, [1])
     assert res["prefill_graph_tokens"] == 16 and made and all(kw["prefill_graph_tokens"] == 16 for kw in made)
-    assert res["gc_pause"] is False and all(kw["gc_pause"] is False for kw in made)
+    assert res["gc_pause"] is True and all(kw["gc_pause"] is True for kw in made)
     md = (out / "results.md").read_text()
     assert res["batches"]["1"]["prefill_widths"] == [16]  # the bucketed prefill really ran, at width 16
     assert "Prefill: padded to a bucket for prompts ≤ 16 tokens, a CUDA graph on a GPU (longer: eager); " in md
-    assert "bucket widths used: 16." in md
+    assert "bucket widths used: 16." in md and "Decode loops with Python's garbage collector paused." in md
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("batch 1"))
     assert "; outside steps AR " in line and " ms per generation" in line
 

@@ -104,3 +104,6 @@ def test_another_gdn_shape_from_json(capsys):
     assert "'num_v_heads': 4" in capsys.readouterr().out  # the shape printed is the one given
     with pytest.raises(SystemExit):
         main([*args, "--tiny", "--shape", json.dumps(dims)])
+    with pytest.raises(SystemExit):  # a field missing: argparse's one-line error, not a traceback
+        main([*args, "--shape", json.dumps({"num_layers": 1})])
+    assert "--shape" in capsys.readouterr().err

@@ -246,8 +246,8 @@ def test_slot_keeps_phase_results_at_one_address():
 
 
 def test_decode_loop_pauses_the_garbage_collector(runtimes):
-    """The decode loop runs with the cyclic GC off by default (a collection longer than a step would idle
-    the GPU), restores it afterwards, even after an error, and gc_pause=False leaves it alone."""
+    """With gc_pause the decode loop runs with the cyclic GC off (a collection longer than a step would idle
+    the GPU) and restores it afterwards, even after an error; the default (off until measured) leaves it alone."""
     import gc
 
     from dflash2.runtime import Decoder
@@ -255,13 +255,13 @@ def test_decode_loop_pauses_the_garbage_collector(runtimes):
 
     _, model, full = runtimes["qwen3"]
     seen = []
-    dec = Decoder(model, max_len=64)
+    dec = Decoder(model, max_len=64, gc_pause=True)
     dec.on_step = lambda s: seen.append(gc.isenabled())
     assert gc.isenabled()
     assert dec.generate_ar(PROMPTS[:1], 4) == _expected(full[:1], PROMPTS[:1], 4)
     assert seen and not any(seen) and gc.isenabled()  # off in every step, back on after
     seen.clear()
-    dec = Decoder(model, max_len=64, gc_pause=False)
+    dec = Decoder(model, max_len=64)
     dec.on_step = lambda s: seen.append(gc.isenabled())
     dec.generate_ar(PROMPTS[:1], 4)
     assert seen and all(seen)

@@ -280,6 +280,7 @@ def time_runtime(
     per_run, walls, toks, outs = [], [], [], []
     mean_steps, generation, outside = [], [], []
     step_series, emitted = [], []  # every timed generation's step ms, and (spec) its rows' emitted counts
+    per_run_spread = []  # each run's percentiles and mean step: a slow run apart from a few slow steps in every run
     for _ in range(runs):
         timers, outs, wall = [], [], 0.0
         for batch in batches:
@@ -294,7 +295,10 @@ def time_runtime(
             if progress is not None:
                 progress.update(1)
         dec.timer = None
-        step_series += [timer.summary().get("step", []) for timer in timers]
+        run_steps = [timer.summary().get("step", []) for timer in timers]
+        step_series += run_steps
+        flat = [ms for steps in run_steps for ms in steps]
+        per_run_spread.append({**step_spread.percentiles(flat), "mean": statistics.fmean(flat) if flat else 0.0})
         emitted += [res.emitted for _, res in outs if res is not None]
         pooled = _pooled(timers)
         per_run.append({k: statistics.median(v) for k, v in pooled.items()})
@@ -312,7 +316,10 @@ def time_runtime(
         "outside_steps_ms": _stats(outside),
         "phases_ms": {p: _stats([r[p] for r in per_run]) for p in PHASES if all(p in r for r in per_run)},
         # which steps make the mean exceed the median (step_spread.py), over every timed generation
-        "step_spread": step_spread.spread(step_series, emitted if spec else None),
+        "step_spread": {
+            **step_spread.spread(step_series, emitted if spec else None),
+            "per_run_ms": per_run_spread,
+        },
         "new_tokens": new_tokens,
         "decoded": decoded(list(prompts), batches),
         "sequences": [seq for seqs, _ in outs for seq in seqs],
@@ -496,7 +503,7 @@ def run_speedup(
     sampling: dict | None = None,
     seed: int = 0,
     prefill_graph_tokens: int | None = None,
-    gc_pause: bool = True,
+    gc_pause: bool = False,
 ) -> dict:
     """Measure (a), (b), (c) for each batch size on ``pair`` (speedup_setup.Pair); write results if output_dir.
 
@@ -515,7 +522,8 @@ def run_speedup(
     tests/test_runtime_sampling.py's chi-square tests). prefill_graph_tokens: every Decoder's (0: eager prefill;
     > 0: prompts up to that width prefilled as CUDA graphs, runtime/prefill.py; None: the Decoder's default,
     64 on CUDA and 0 on the CPU), recorded in the results as resolved. gc_pause: every Decoder's (its decode loops with
-    Python's cyclic garbage collector off, the runtime's default; False: the ablation), recorded.
+    Python's cyclic garbage collector off; the deferred collection lands after the loop, in the wall time:
+    compare tokens/s and outside_steps_ms, not only the steps), recorded.
     hf_check_tokens: 0 = off; n > 0 = HF greedy ``generate`` of every prompt once (n new tokens per row, untimed,
     in batches of max(batch_sizes) rows, :func:`hf_greedy`), compared at each batch size with the headline
     mode's AR and spec rows (:func:`compare_with_hf`): ``results["hf_check"]`` and each batch row's
@@ -579,7 +587,8 @@ def run_speedup(
                 f"HF greedy check: {len(pair.prompts)} prompts × {hf_check_tokens} new tokens in batches of "
                 f"{check_batch} (untimed)"
             )
-            hf_sequences = hf_greedy(pair.hf, pair.prompts, hf_check_tokens, check_batch)
+            # no more tokens than the runtime rows have to compare with
+            hf_sequences = hf_greedy(pair.hf, pair.prompts, min(hf_check_tokens, max_new_tokens), check_batch)
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # HF's dynamic caches: not in the runtime's way
     batches = sum(len(split_batches(index_of[N], N)) for N in batch_sizes)
@@ -688,7 +697,7 @@ def hf_check_line(check: dict) -> str:
         R = got["rows"]
         parts.append(f"batch {N} AR {got['ar_rows_equal']}/{R}, spec {got['spec_rows_equal']}/{R}")
         divergences += len(got["ar_divergences"]) + len(got["spec_divergences"])
-    found = f"; {divergences} divergent rows (results.md)" if divergences else ""
+    found = f"; {divergences} divergences over methods and batch sizes (results.md)" if divergences else ""
     return f"HF greedy check over {check['new_tokens']} tokens, rows equal: " + "; ".join(parts) + found
 
 

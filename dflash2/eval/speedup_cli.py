@@ -106,7 +106,7 @@ def _measure(cfg, modes, gemm) -> dict:
         sampling=sampling,
         seed=int(cfg.seed),
         prefill_graph_tokens=_optional_int(cfg.get("prefill_graph_tokens")),  # None: the Decoder's default
-        gc_pause=bool(cfg.get("gc_pause", True)),
+        gc_pause=bool(cfg.get("gc_pause", False)),
     )
     print(f"results in {cfg.paths.output_dir}")
     return results

@@ -64,7 +64,8 @@ def markdown(results: dict) -> str:
         f"{results['copy_bandwidth_GBps']:.0f} GB/s (measured in this run) -> bound {bound:.3f} ms/step. "
         "Median [min–max] over runs. Decoded: the prompts each method decoded (rows beyond them are repeats) "
         "and its batches; the runtime decodes every prompt at every batch size, HF generate the first batch. "
-        f"Prefill: {_prefill(results)}.",
+        f"Prefill: {_prefill(results)}."
+        + (" Decode loops with Python's garbage collector paused." if results.get("gc_pause") else ""),
         "",
         "| batch | method | decoded | ms/step | tokens/s | τ | weight GB/s | % of bound | lossless |",
         "|---|---|---|---|---|---|---|---|---|",

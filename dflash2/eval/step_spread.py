@@ -24,7 +24,7 @@ PERCENTILES = (10, 50, 90, 99)
 
 
 def percentiles(ms: list[float]) -> dict[str, float]:
-    """p10 / p50 / p90 / p99 and max of ``ms`` (nearest-rank on the sorted values); {} when empty."""
+    """p10 / p50 / p90 / p99 and max of ``ms`` (the sorted value at index round(q/100 · (n − 1))); {} when empty."""
     if not ms:
         return {}
     ordered = sorted(ms)
@@ -47,8 +47,8 @@ def by_quarter(generations: list[list[float]]) -> list[float]:
 
 def by_previous_emitted(generations: list[list[float]], emitted: list[list[list[int]]]) -> dict[int, dict]:
     """Speculative steps grouped by the previous step's emitted tokens (the most over the batch's rows
-    that had that step): {n: {"mean_ms", "steps"}}, ascending n. Step 0 (after the prefill) and the
-    steps after every row finished (the poll lag's) have no previous count and are left out.
+    that had that step): {n: {"mean_ms", "steps"}}, ascending n. Left out: step 0 (after the prefill: no
+    previous step) and the poll lag's steps after every row finished (no row is still decoding there).
 
     generations[b]: batch b's step times; emitted[b][r][s]: tokens row r's verify step s emitted."""
     groups: dict[int, list[float]] = {}
@@ -84,16 +84,17 @@ def markdown_lines(results: dict) -> list[str]:
             quarters = " / ".join(f"{ms:.3f}" for ms in sp["mean_ms_by_quarter"])
             emitted = sp.get("mean_ms_by_previous_emitted") or {}
             by_n = ", ".join(f"{n}: {g['mean_ms']:.3f} ({g['steps']})" for n, g in emitted.items()) or "—"
-            rows.append(f"| {N} | {key} | {pct} | {quarters} | {by_n} |")
+            runs = " / ".join(f"{r['mean']:.3f}" for r in sp.get("per_run_ms", [])) or "—"
+            rows.append(f"| {N} | {key} | {pct} | {runs} | {quarters} | {by_n} |")
     if not rows:
         return []
     return [
         "",
         "Step-time spread (ms, every timed generation's steps): percentiles p10 / p50 / p90 / p99 / max; mean "
         "per quarter of a generation; spec: mean step by the tokens the previous step emitted (the most over "
-        "the rows; ReplaySSM folds them inside the next verify), with the number of steps:",
+        "the rows; ReplaySSM folds them inside the next verify), with the number of steps; and each run's mean step:",
         "",
-        "| batch | method | p10 / p50 / p90 / p99 / max | quarters 1–4 | by previous emitted: mean (steps) |",
-        "|---|---|---|---|---|",
+        "| batch | method | p10 / p50 / p90 / p99 / max | mean per run | quarters 1–4 | by previous emitted |",
+        "|---|---|---|---|---|---|",
         *rows,
     ]

@@ -437,7 +437,10 @@ def main(argv=None) -> list[Row]:
     args = p.parse_args(argv)
     if args.tiny and args.shape:
         p.error("--tiny and --shape: choose one")
-    shape = GDNShape.tiny() if args.tiny else GDNShape(**args.shape) if args.shape else GDNShape.qwen3_5_9b()
+    try:
+        shape = GDNShape.tiny() if args.tiny else GDNShape(**args.shape) if args.shape else GDNShape.qwen3_5_9b()
+    except TypeError as e:  # a field missing or unknown: one line, with the fields it takes
+        p.error(f"--shape: {e}; fields: {', '.join(GDNShape.__dataclass_fields__)}")
     kw = dict(
         accepted=args.accepted,
         dtype=getattr(torch, args.dtype),

@@ -189,7 +189,8 @@ DEFAULT_PREFILL_GRAPH_TOKENS = 64
 
 def default_prefill_graph_tokens(graphs: bool, value: int | None = None) -> int:
     """A Decoder's prefill_graph_tokens: ``value`` when given, else :data:`DEFAULT_PREFILL_GRAPH_TOKENS` with
-    graphs and 0 (eager) without them (no launches to save on the CPU, and no padded work to pay there)."""
+    graphs and 0 (eager) without them: without graphs the padded prefill runs eagerly, paying the padding's
+    work and saving no launches."""
     if value is not None:
         return int(value)
     return DEFAULT_PREFILL_GRAPH_TOKENS if graphs else 0
@@ -213,8 +214,9 @@ class Decoder:
     64-token prompt took a generation's time outside its steps from 19.5 to 2.9 ms (docs/BENCHMARKS.md,
     stop 16). Cost: the padded tokens' compute, and in native GDN mode (the ablation) a prompt of
     < 16 tokens padded to 16 stores 16 per-position states per GDN layer during its prefill.
-    gc_pause: the decode loop runs with Python's cyclic garbage collector off (:func:`collector_paused`;
-    default on, False for the ablation).
+    gc_pause: the decode loop runs with Python's cyclic garbage collector off (:func:`collector_paused`).
+    Off by default until measured; note the switch is process-wide (other threads' collections wait too)
+    and the collection it defers runs after the loop, inside the generation's wall time.
     Attributes set by callers: ``timer`` (a :class:`~dflash2.runtime.graphs.PhaseTimer` or None) and
     ``on_step`` (called with the slot after each step: progress bars, tests).
     """
@@ -230,7 +232,7 @@ class Decoder:
         buckets=BATCH_BUCKETS,
         poll_lag: int | None = None,
         prefill_graph_tokens: int | None = None,
-        gc_pause: bool = True,
+        gc_pause: bool = False,
     ):
         if drafter is not None and not hasattr(drafter, "propose"):  # a DFlashDrafter or its folder
             drafter = RuntimeDrafter(drafter, model)

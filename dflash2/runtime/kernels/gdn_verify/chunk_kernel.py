@@ -47,9 +47,10 @@ shared memory at every step; A's column s is a sum along the axis it is broadcas
 the compiler puts A and U in one layout, so no step converts anything), and the kernel has its own
 warps (chunk_warps, default 4: its products are parallel over the tile, unlike the walk's
 chain). Offline for sm_90a at that shape (block_v 16): 85 registers at 4 warps and KB = 16 (the
-defaults), 146 at KB = 32, 234 at 1 warp and KB = 32, none spilling. **Not yet measured on a GPU**:
-only its registers (offline) and its values (tests/test_runtime_gdn_chunked.py, in Triton's
-interpreter) are checked; bench_gdn's chunk_* options are there to sweep it. Not done: KKᵀ and QKᵀ
+defaults), 146 at KB = 32, 234 at 1 warp and KB = 32, none spilling. Measured on an H200
+(docs/BENCHMARKS.md, stop 16): correct, and no longer spilling, but still slower than the
+sequential walk at the 9B shape and block 16: 22.0–25.5 µs against 19.7 per layer at batch 1,
+2.2–3.4× at batch 64; so it stays opt-in (bench_gdn's chunk_* options sweep it). Not done: KKᵀ and QKᵀ
 depend only on the key head, yet every program of a key head (H / Hk value heads × d_v / BV slices)
 computes them again (half of a program's multiply-adds at BV = 16); a wider chunk_block_v amortises
 them over more columns, and hoisting them into a per-(row, key head) pass is a bigger change.
