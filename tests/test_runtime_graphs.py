@@ -54,7 +54,7 @@ def test_one_decoder_many_generations_cpu(hf_targets):
 
 
 def _snapshot(s):
-    parts = [s.state.lengths, s.count, s.active, s.token, s.out]
+    parts = [s.state.lengths, s.count, s.active, s.token, s.out, s.poll_pair]  # the pair: written by the commit
     if s.state.gdn is not None:
         parts += [s.state.gdn.rec, s.state.gdn.conv]
     if s.ctx is not None:
@@ -80,6 +80,7 @@ def test_graph_replay_equals_eager_step_by_step(hf_targets, kind, monkeypatch):
     for a, b in zip(got, ref):
         for x, y in zip(a, b):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+        assert a[5].tolist() == [int(a[2].any()), int(a[0].max())]  # the replayed commit's poll pair
     captured = graphed.captures
     assert captured >= 7  # draft, verify, accept, commit(B); AR forward, accept, commit(1)
     graphed.generate_spec(PROMPTS[:3], 40)  # same bucket, same lengths: replays only

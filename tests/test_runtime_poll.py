@@ -72,3 +72,48 @@ def test_every_lag_samples_the_same_tokens_from_one_seed(runtimes):  # noqa: F81
         res = dec.generate_spec(PROMPTS, 20, temperature=0.9, top_k=30, generator=g)
         runs.append((res.sequences, res.accepted_drafts))
     assert runs[1] == runs[0] and runs[2] == runs[0]
+
+
+@pytest.mark.parametrize("lag", LAGS)
+def test_the_commit_phase_writes_the_pair_at_one_address(runtimes, monkeypatch, lag):  # noqa: F811
+    """The loop's pair is computed inside the commit phase (so that a graph replay writes it) into the slot's
+    poll_pair: after every step it equals (any row active, longest row) as that step left them, at one address
+    across steps and generations (a graph reads and writes fixed addresses); the loop never computes it
+    eagerly (LaggedPoll.after_step), and the poll reads the pair of the step ``lag`` back."""
+    _, model, full = runtimes["qwen3_5"]
+    eos = full[0][len(PROMPTS[0]) + 11]
+    monkeypatch.setattr(LaggedPoll, "after_step", lambda *a: pytest.fail("the loop computed the pair eagerly"))
+    proposer = ScriptedProposer(full, ["oracle", "partial", "wrong", "partial"], 8, model.vocab_size, seed=3)
+    dec = _decoder(model, proposer, lag)
+    pairs, addresses, reads = [], set(), []  # per step: the slot's pair and the state's; the poll after it
+
+    def on_step(s):
+        expected = [int(s.active.any()), int(s.state.lengths.max())]
+        pairs.append((s.poll_pair.tolist(), expected))
+        addresses.add(s.poll_pair.data_ptr())
+
+    after = LaggedPoll.after_step_pair
+
+    def after_step_pair(self, pair):
+        go = after(self, pair)
+        reads.append((go, self.known, self.longest))
+        return go
+
+    monkeypatch.setattr(LaggedPoll, "after_step_pair", after_step_pair)
+    dec.on_step = on_step
+    for run in range(2):  # two generations, AR then speculative, in the same slot
+        pairs.clear()
+        reads.clear()
+        if run == 0:
+            dec.generate_ar(PROMPTS, N_NEW, eos_token_id=eos)
+        else:
+            dec.generate_spec(PROMPTS, N_NEW, eos_token_id=eos)
+        assert all(got == want for got, want in pairs), pairs
+        assert len(dec.slots) == 1 and addresses == {next(iter(dec.slots.values())).poll_pair.data_ptr()}
+        # step k's pair is read after step k + lag; the generation stops at the first read pair with no row active
+        done = next(k for k, (pair, _) in enumerate(pairs, 1) if pair[0] == 0)
+        assert len(pairs) == done + lag
+        for k, (go, known, longest) in enumerate(reads, 1):
+            assert known == max(0, k - lag)
+            if known:
+                assert longest == pairs[known - 1][0][1] and go == bool(pairs[known - 1][0][0])

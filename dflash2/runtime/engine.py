@@ -13,7 +13,10 @@ token budget) keep taking part in the fixed-shape forwards but commit and emit
 nothing, so they never stall the others. The step has no loop over rows and reads
 one small tensor back per step (whether any row is active, and the longest row,
 which picks how much of the caches attention reads), on CUDA one step late so that
-the host never waits for the step it just launched (poll.py).
+the host never waits for the step it just launched (poll.py). That pair is computed
+inside the step's commit phase, into a slot buffer (captured with the phase), so the host
+launches no kernel between steps, only the pair's copy: computed eagerly after the step,
+its few kernels made most of the ~18 µs per step between steps on an H200 (poll.py).
 
 :class:`Decoder` keeps, per batch bucket, a *slot*: the target's caches, the drafter
 context and every loop buffer (last token, counts, budgets, EOS ids, output, step
@@ -49,7 +52,7 @@ from dflash2.runtime.drafter import RuntimeDrafter
 from dflash2.runtime.graphs import BATCH_BUCKETS, PhaseGraphs, batch_bucket
 from dflash2.runtime.kernels.accept import greedy_accept
 from dflash2.runtime.kernels.sampled_accept import sampled_accept
-from dflash2.runtime.poll import LaggedPoll
+from dflash2.runtime.poll import LaggedPoll, pair_of
 from dflash2.runtime.prefill import bucketed_prefill, prefill_bucket
 from dflash2.runtime.sampling import Proposal, accept_noise
 from dflash2.runtime.step import choose, emit, prefill
@@ -87,6 +90,7 @@ class Slot:
     active (Nb,) bool; commit_n (Nb,) tokens the step commits; eos (EOS_SLOTS,) ids (-1 = none);
     out (Nb, W) emitted tokens; drafts (Nb, B-1), argmax (Nb, B) of the verify; log (S, 3, Nb)
     per step (was active, accepted drafts, emitted) with its device counter ``step`` (1,);
+    poll_pair (2,) (any row active, longest row) after the latest commit, the loop's poll (poll.py);
     prefill: the bucketed prefill's buffers (prefill.PrefillBuffers), made on its first use.
     """
 
@@ -111,6 +115,7 @@ class Slot:
         self.argmax = torch.zeros(Nb, B, **z)
         self.log = torch.zeros(max_len + 1, 3, Nb, **z)
         self.step = torch.zeros(1, **z)
+        self.poll_pair = torch.zeros(2, **z)  # written by every commit phase, copied to the host by the poll
         self.proposal = self.probs = None  # T>0 hand-over between phases, in buffers of `keep`
         self.prefill = None  # prefill.PrefillBuffers, made by the first bucketed prefill
         self._kept: dict[tuple, torch.Tensor] = {}
@@ -344,8 +349,10 @@ class Decoder:
     def _loop(self, s: Slot, T: int, step_fn) -> None:
         """Steps until no row is active. The host's one read per step is (any row active, longest row) of the
         step ``poll_lag`` steps back (poll.py): attention reads up to a bound of the longest row, and the last
-        ``poll_lag`` steps run with every row finished (they commit and emit nothing). With ``gc_pause`` the
-        cyclic garbage collector is off meanwhile (:func:`collector_paused`)."""
+        ``poll_lag`` steps run with every row finished (they commit and emit nothing). A step's pair is the
+        slot's ``poll_pair``, written by its commit phase (its last phase; ``step_fn`` must end with one);
+        the host only queues its copy. With ``gc_pause`` the cyclic garbage collector is off meanwhile
+        (:func:`collector_paused`)."""
         with collector_paused(self.gc_pause):
             go = s.poll.start(s.active, s.state.lengths)
             while go:
@@ -354,19 +361,23 @@ class Decoder:
                 step_fn(_kv_len(s.poll.longest_bound(T), T, self.max_len, self.kv_bucket))
                 if self.on_step is not None:
                     self.on_step(s)
-                go = s.poll.after_step(s.active, s.state.lengths)
+                go = s.poll.after_step_pair(s.poll_pair)
 
     # ------------------------------------------------------------------ phases (functions of the slot)
     def _commit(self, s: Slot, T: int, spec: bool) -> None:
-        """Rollback / commit: keep commit_n[r] of the T block tokens (target lengths, GDN replay, drafter context).
+        """Rollback / commit: keep commit_n[r] of the T block tokens (target lengths, GDN replay, drafter context),
+        then the step's poll pair (any row active, longest row) into ``s.poll_pair`` (poll.py).
 
         ReplaySSM's GDN fold is deferred into the next verify (the logs are the slot's reserved ones):
-        between steps the slot's GDN states lag by one commit; the end of a generation flushes."""
+        between steps the slot's GDN states lag by one commit; the end of a generation flushes. The pair is
+        computed here, in the step's last phase (graphed at every T: it draws nothing, so it is not subject to
+        _graphable), so a replay writes it and the host launches nothing for it; active is final since the accept."""
         if s.state.gdn is not None:
             s.state.gdn.use_static(T)  # what the last T-token verify logged, at its fixed addresses
         s.state.commit(s.commit_n)
         if spec:
             self.drafter.append(s.ctx, s.ctx.taps, s.commit_n)
+        pair_of(s.active, s.state.lengths, out=s.poll_pair)
 
     def _ar_forward(self, s: Slot, kv_len: int, params, generator) -> None:
         # taps=False: plain AR needs no drafter features (they were 5 extra launches per step at the pair's shape)

@@ -16,6 +16,16 @@ safe:
   take part in a step but commit and emit nothing (engine.py), so those steps change no
   output; their draws at T>0 come after the last emitted token.
 
+Where the pair is computed: inside the step's last phase (the engine's commit phase writes it into a slot
+buffer at a fixed address with :func:`pair_of`, so with graphs a replay writes it), and the host only
+queues that buffer's copy and an event record (:meth:`LaggedPoll.after_step_pair`). Why: computed
+eagerly after the step, the pair's 4 small kernels (any, the cast, max, stack), each waiting for its
+launch, and the copy made the time between the commit phase's end and the next step's first phase: about
+18 µs per step on an H200 (the eval's PhaseTimer ``gap``; docs/BENCHMARKS.md, stop 16), on AR steps of
+0.49 ms and speculative steps of 0.81 ms of a 90M target, plus their host launch cost every step. In the
+graph the kernels count in the commit phase's time instead (not yet re-measured).
+:meth:`LaggedPoll.after_step` keeps the eager computation for callers that hold no such buffer (tests).
+
 ``lag=0`` reads each step's pair right after it (the blocking poll). Shapes: Nb rows.
 """
 
@@ -24,6 +34,12 @@ from __future__ import annotations
 from collections import deque
 
 import torch
+
+
+def pair_of(active: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """(any row active, longest row) of active (Nb,) bool and lengths (Nb,) long -> (2,) long on their
+    device, written into ``out`` when given (the slot's buffer: the engine's commit phase, captured with it)."""
+    return torch.stack([active.any().long(), lengths.max()], out=out)
 
 
 class LaggedPoll:
@@ -46,7 +62,7 @@ class LaggedPoll:
         """Before the first step (blocking: the prefill's pair): whether any row is active."""
         self._pending.clear()
         self.launched = self.known = 0
-        any_active, self.longest = torch.stack([active.any().long(), lengths.max()]).tolist()
+        any_active, self.longest = pair_of(active, lengths).tolist()
         return bool(any_active)
 
     def longest_bound(self, T: int) -> int:
@@ -54,12 +70,18 @@ class LaggedPoll:
         return self.longest + (self.launched - self.known) * T
 
     def after_step(self, active: torch.Tensor, lengths: torch.Tensor) -> bool:
-        """Queue the pair of the step just launched (active (Nb,) bool, lengths (Nb,) long, on the device);
-        read the oldest pair once more than ``lag`` are queued. Returns False once a read pair says that
-        no row was active after its step (the generation is over), else True."""
+        """:meth:`after_step_pair` of the pair of active (Nb,) bool and lengths (Nb,) long, computed here
+        eagerly (a few kernels: callers without a pair buffer; the engine's loop computes it in its commit)."""
+        return self.after_step_pair(pair_of(active, lengths))
+
+    def after_step_pair(self, pair: torch.Tensor) -> bool:
+        """Queue the pair of the step just launched ((2,) long on the device: :func:`pair_of`, as the step
+        left it; it may be overwritten by later steps, as the copy is queued behind this one); read the
+        oldest pair once more than ``lag`` are queued. Returns False once a read pair says that no row was
+        active after its step (the generation is over), else True. On CUDA it launches no kernel: one
+        copy into page-locked memory and an event record."""
         self.launched += 1
         i = self.launched % len(self._host)
-        pair = torch.stack([active.any().long(), lengths.max()])
         if self.cuda:
             self._host[i].copy_(pair, non_blocking=True)
             self._events[i].record()
