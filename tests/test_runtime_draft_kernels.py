@@ -1,5 +1,5 @@
-"""The runtime drafter's fused kernels (add_rms_norm_fp32w, draft_qk_rope_write, local_conv, selector_walk) against
-their twins, and a draft step through them against the eager step.
+"""The runtime drafter's fused kernels (add_rms_norm_fp32w, draft_qk_rope_write, local_conv, conv_add_rms_norm_fp32w,
+selector_walk) against their twins, and a draft step through them against the eager step.
 
 On the CPU they run through Triton's interpreter (``kernels.on_cpu()``; conftest sets TRITON_INTERPRET=1
 without a GPU). Tolerances: the kernels round at the twins' points, and the one reduction (a row's or
@@ -11,6 +11,8 @@ ulps there. The residual sum h (one fp32 add, rounded once) is exact but for tha
 is exact. local_conv has no reduction and is compiled without FMA contraction, so it is exact against its twin
 where the cast rounds to nearest (fp32 under the interpreter: asserted bit for bit); on a GPU it is held to the
 convention above, and bf16 under the interpreter to the interpreter's (each of its 2K-1 roundings may truncate).
+conv_add_rms_norm_fp32w is the same Triton code as local_conv's post side then add_rms_norm_fp32w: equal to that
+pair bit for bit on any device, and to the twins as they are.
 The whole step: the fused path drafts the same tokens as the eager path (fp32) and writes the same caches (the
 kernel tests poison what must stay unwritten).
 """
@@ -30,7 +32,8 @@ from dflash2.drafter.selector import CandidateSelector
 from dflash2.runtime import kernels, load_model
 from dflash2.runtime.draft_math import conv_apply, conv_kernels_of, rope_tables
 from dflash2.runtime.drafter import RuntimeDrafter
-from dflash2.runtime.kernels import act, draft_rope, local_conv, norm, selector
+from dflash2.runtime.kernels import act, conv_norm, draft_rope, local_conv, norm, selector
+from dflash2.runtime.kernels.conv_norm import conv_add_rms_norm_fp32w_ref
 from dflash2.runtime.kernels.draft_rope import draft_qk_rope_write, draft_qk_rope_write_ref
 from dflash2.runtime.kernels.local_conv import local_conv_ref
 from dflash2.runtime.kernels.norm import add_rms_norm_fp32w, add_rms_norm_fp32w_ref
@@ -160,6 +163,47 @@ def _assert_conv_close(got, want, x, delta, base, side):
     assert ((got.float() - want.float()).abs() <= (K + 2) * 2**-6 * mags + 1e-30).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K,G,gs", [(2, 7, 3), (3, 5, 9), (2, 80, 16)])
+def test_conv_add_rms_norm_fp32w(interpret, dtype, K, G, gs):
+    """The post-conv + residual add + norm launch == local_conv's side 1 then add_rms_norm_fp32w, both kernels,
+    bit for bit (the same Triton code, row block, warps and compile flags; under the interpreter for bf16 too,
+    whose truncating casts are the same in both), and the twin (today's eager ops) to the file's conventions.
+    Block lengths T = 1 .. 16 (every one for the first case; the interpreter's cost is per token row), so the
+    first tokens of a block, whose taps reach into the padding, and full blocks of 4, 8, 16; 2 rows; odd channel
+    counts (21, 45) and 1280 in groups of 16 (a row block of 2048, masked past 1280); K = 2 and 3; an fp32 base
+    with a bf16 x (odd T); exact zeros of both signs in z."""
+    d = G * gs
+    lengths = range(1, 17) if G == 7 else (1, 2, 3, 4, 8, 16)
+    for device in kernel_devices():
+        g = torch.Generator().manual_seed(10 * K + G)
+        for T in lengths:
+            x, z = (torch.randn(2, T, d, generator=g).to(device, dtype) for _ in range(2))
+            z[0, 0, :5] = 0.0
+            z[1, 0, :5] = -0.0
+            delta = torch.randn(2, T, 2 * K * G, generator=g).to(device, dtype)
+            w = (1 + 0.3 * torch.randn(d, generator=g)).to(device)  # fp32, as DraftWeights holds it
+            base_dtype = torch.float32 if T % 2 else dtype
+            base = (1 + torch.randn(2, K, G, gs, generator=g)).to(device, base_dtype)
+            h, y = conv_norm.conv_add_rms_norm_fp32w(x, z, delta, base, w, 1e-6)
+            assert h.shape == y.shape == (2, T, d) and h.dtype == y.dtype == dtype
+            h_pair, y_pair = add_rms_norm_fp32w(x, local_conv.local_conv(z, delta, base, 1), w, 1e-6)
+            assert torch.equal(h, h_pair) and torch.equal(y, y_pair)  # the unfused kernels' bits
+            h_ref, y_ref = conv_add_rms_norm_fp32w_ref(x, z, delta, base, w, 1e-6)
+            if dtype == torch.float32 or device == "cuda":
+                if device == "cpu":
+                    assert torch.equal(h, h_ref)  # conv and add: no reduction, no FMA, fp32 casts exact
+                else:
+                    _assert_close(h, h_ref, dtype, device)  # local_conv's GPU convention
+                _assert_close(y, y_ref, dtype, device)
+            else:  # bf16 in the interpreter: the conv's bound (_assert_conv_close) plus the add's truncation
+                out_ref = local_conv_ref(z, delta, base, 1)
+                mags = conv_apply(z.float().abs(), conv_kernels_of(delta.float().abs(), base.float().abs(), 1))
+                bound = (K + 2) * 2**-6 * mags + 2**-6 * (x.float().abs() + out_ref.float().abs())
+                assert ((h.float() - h_ref.float()).abs() <= bound + 1e-30).all()
+                _assert_close(y, add_rms_norm_fp32w_ref(h, None, w, 1e-6)[1], dtype, device)  # the norm of its h
+
+
 def test_local_conv_is_the_module():
     """The twin (and so the fused path's definition) is BlockLocalConv's side, bit for bit (fp32, CPU)."""
     from dflash2.drafter.local_conv import BlockLocalConv
@@ -235,6 +279,7 @@ def test_fused_draft_step_equals_the_eager_step(runtime_target, kind, monkeypatc
             m.setattr(norm, "add_rms_norm_fp32w_ref", no_twin)
             m.setattr(draft_rope, "draft_qk_rope_write_ref", no_twin)
             m.setattr(local_conv, "local_conv_ref", no_twin)
+            m.setattr(conv_norm, "conv_add_rms_norm_fp32w_ref", no_twin)
             m.setattr(selector, "selector_walk_ref", no_twin)
             m.setattr(act, "silu_mul_ref", no_twin)  # the MLP's SwiGLU of its stacked gate|up GEMM
             m.setattr(CandidateSelector, "top_candidates", no_twin)  # its torch.topk: kernels/topk.py instead

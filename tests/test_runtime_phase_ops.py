@@ -33,6 +33,12 @@ def test_every_phase_of_both_steps_is_counted():
     assert {s for s in scopes if s and s.startswith("drafter layer")} == {"drafter layer 0", "drafter layer 1"}
     assert any(s and s.startswith("target linear_attention") for s in spec.phases["verify"].scopes)
     assert spec.phases["commit"].scopes["drafter append"] > 0
+    # the tiny drafter's 2 layers × 2 conv'd sublayers per draft: 4 pre-convs, 4 post-convs each in the launch of
+    # the next norm (the last one the final norm's) and 1 plain norm, the first layer's (no residual yet): 9
+    # launches where the post-convs on their own took 13
+    ops, S = spec.phases["draft"].ops, spec.steps
+    assert ops["cuda:local_conv_ref"] == 4 * S and ops["cuda:conv_add_rms_norm_fp32w_ref"] == 4 * S
+    assert ops["cuda:add_rms_norm_fp32w_ref"] == S
     # twins of fused CUDA kernels count as their launches: fewer ops than counted one by one
     raw = count_phases(target, drafter, spec=True, steps=2, batch=2, prompt=8, raw=True)
     assert raw.phases["verify"].total > spec.phases["verify"].total

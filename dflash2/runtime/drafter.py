@@ -23,10 +23,13 @@ arranged for a decode step, which at batch 1 costs what its number of kernels co
 * on CUDA (kernels on: ``dflash2.runtime.kernels``) every norm is one Triton launch with the
   residual add before it folded in (``add_rms_norm_fp32w``: a sublayer returns its two terms,
   the next norm adds them), and a layer's q/k norm + RoPE + block K/V write is one launch, as is
-  the context append's K norm + RoPE + K/V write of every layer (``draft_qk_rope_write``), and each
-  side of a local conv (its kernel add, shifted products and their sum: ``local_conv``); their
-  twins, run on the CPU, are the eager ops, so the CPU stays bit for bit with the modules, and
-  the kernels differ from them only in a norm's reduction order (last fp32 bit of rstd);
+  the context append's K norm + RoPE + K/V write of every layer (``draft_qk_rope_write``), and the
+  pre side of a local conv (its kernel add, shifted products and their sum: ``local_conv``); a
+  conv'd sublayer's post side is left pending (:class:`PostConv`) and run by the launch of the norm
+  that adds it (``conv_add_rms_norm_fp32w``, the next sublayer's or the final norm: one launch fewer
+  per sublayer, 6 per draft of a 3-layer drafter); their twins, run on the CPU, are the eager ops,
+  so the CPU stays bit for bit with the modules, and the kernels differ from them only in a norm's
+  reduction order (last fp32 bit of rstd);
 * the drafter's modules are read for their weights once (:class:`DraftWeights`; the MLP's gate and
   up stacked into one GEMM feeding the fused SwiGLU) and called as they are for the MLP's down
   projection, fc, output projection and selector codebooks.
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import os
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -57,11 +61,24 @@ from dflash2.runtime.cache import KVCache, StepMeta
 from dflash2.runtime.draft_math import rope_rows, rope_tables
 from dflash2.runtime.draft_weights import DraftWeights
 from dflash2.runtime.kernels.act import silu_mul
+from dflash2.runtime.kernels.conv_norm import conv_add_rms_norm_fp32w
 from dflash2.runtime.kernels.draft_rope import draft_qk_rope_write
 from dflash2.runtime.kernels.local_conv import local_conv
 from dflash2.runtime.kernels.norm import add_rms_norm_fp32w
 from dflash2.runtime.sampling import Proposal, sample
 from dflash2.runtime.selector_path import selector_greedy_path, selector_sample_sparse
+
+
+class PostConv(NamedTuple):
+    """A conv'd sublayer's output whose post-conv (``local_conv`` side 1) is left to the next norm's launch.
+
+    z (N, B, d): the sublayer's output before it; delta (N, B, 2·K·G): both conv sides' dynamic taps; base
+    (2, K, G, gs) ``ConvWeights.base``. ``RuntimeDrafter._add_norm`` resolves it: x + local_conv(z, delta,
+    base, 1), added and normalised in one launch (``conv_add_rms_norm_fp32w``)."""
+
+    z: torch.Tensor
+    delta: torch.Tensor
+    base: torch.Tensor
 
 
 class DraftContext:
@@ -216,20 +233,33 @@ class RuntimeDrafter:
         y = kv.attend(i, q, meta, token_major=True)  # (N, B, H, hd): o_proj's layout, no transposing copy
         return attn.o_proj(y.reshape(N, T, H * hd))
 
-    def _sublayer(self, h: torch.Tensor, out: torch.Tensor | None, norm: torch.Tensor, conv, fn):
+    def _add_norm(self, h: torch.Tensor, out: torch.Tensor | PostConv | None, weight32: torch.Tensor):
+        """(h + out, RMSNorm(h + out)): the residual stream's two terms added and normalised in one launch.
+
+        h (N, B, d); out: None (h is the whole stream), a tensor (N, B, d), or a :class:`PostConv`, whose conv
+        the same launch runs (``conv_add_rms_norm_fp32w``: the post-conv is never a launch of its own)."""
+        if isinstance(out, PostConv):
+            return conv_add_rms_norm_fp32w(h, *out, weight32, self.weights.eps)
+        return add_rms_norm_fp32w(h, out, weight32, self.weights.eps)
+
+    def _sublayer(self, h: torch.Tensor, out: torch.Tensor | PostConv | None, norm: torch.Tensor, conv, fn):
         """``DecoderLayer._sublayer`` with its residual add deferred: (h, out) -> (h + out, its sublayer's out).
 
         The sublayer's result h + post-conv(fn(pre-conv(norm(h)))) (no conv for v1) is returned as the pair
-        (h, out) of its two terms, so that the add happens in the next norm's launch (add_rms_norm_fp32w).
-        h, out (N, B, d); out None: h is the whole residual stream (the block's embedding)."""
-        h, x = add_rms_norm_fp32w(h, out, norm, self.weights.eps)
+        (h, out) of its two terms, so that the add happens in the next norm's launch (:meth:`_add_norm`); with a
+        conv, out is the :class:`PostConv` still to run, which that launch runs too. h (N, B, d); out as
+        :meth:`_add_norm` takes it (None: h is the whole residual stream, the block's embedding)."""
+        h, x = self._add_norm(h, out, norm)
         if conv is None:
             return h, fn(x)
         delta = F.linear(x, conv.projection)  # (N, B, 2·K·G): both sides' dynamic taps, from the normed input
-        return h, local_conv(fn(local_conv(x, delta, conv.base, 0)), delta, conv.base, 1)
+        return h, PostConv(fn(local_conv(x, delta, conv.base, 0)), delta, conv.base)
 
-    def _layer(self, i: int, h: torch.Tensor, out: torch.Tensor | None, cos, sin, kv: KVCache, meta: StepMeta):
-        """Drafter layer i on the block h + out (N, B, d) -> its output as the pair (h, out): the sum is the output."""
+    def _layer(
+        self, i: int, h: torch.Tensor, out: torch.Tensor | PostConv | None, cos, sin, kv: KVCache, meta: StepMeta
+    ):
+        """Drafter layer i on the block h + out (N, B, d) -> its output as the pair (h, out): the sum is the output
+        (out a PostConv for a DFlash2 drafter: :meth:`_sublayer`)."""
         w = self.weights.layers[i]
         h, out = self._sublayer(
             h, out, w.input_norm, w.attention_conv, lambda x: self._attention(i, x, cos, sin, kv, meta)
@@ -254,10 +284,10 @@ class RuntimeDrafter:
         sliding = self.drafter.sliding_layers
         window_meta = ctx.meta(B, kv_len, window=self.config.sliding_window) if any(sliding) else None
         cos, sin = self._rope(ctx, meta.positions, h.dtype)
-        out = None  # the residual stream is h + out: each add is done by the next norm's launch
+        out = None  # the residual stream is h + out: each add (and post-conv) is done by the next norm's launch
         for i in range(len(self.drafter.layers)):
             h, out = self._layer(i, h, out, cos, sin, ctx.kv, window_meta if sliding[i] else meta)
-        return add_rms_norm_fp32w(h, out, self.weights.final_norm, self.weights.eps)[1]
+        return self._add_norm(h, out, self.weights.final_norm)[1]  # the last layer's post-conv runs here
 
     @torch.no_grad()
     def propose(

@@ -8,9 +8,9 @@ This runs a random target + drafter eagerly on the CPU (no graphs, no GPU needed
 (draft / verify / accept / commit, the engine's own phase boundaries: ``Decoder.timer``), the aten ops
 that would be a kernel each on CUDA: every op the dispatcher runs except views and allocations
 (:func:`op_kind`). Calls that CUDA runs as fused Triton kernels (the target's and the drafter's norms and
-q/k norm + RoPE + cache writes, the sides of the drafter's local convs, SwiGLU, decode attention, the GDN
-verify, its gated output norm, the deferred GDN commit, the T=0 accept's bookkeeping, the T>0 accept) run their
-plain twins here; they count as the launches they are on CUDA (:data:`FUSED`), unless ``--raw``.
+q/k norm + RoPE + cache writes, the drafter's pre-convs and its post-convs with the next norm, SwiGLU, decode
+attention, the GDN verify, its gated output norm, the deferred GDN commit, the T=0 accept's bookkeeping, the T>0
+accept) run their plain twins here; they count as the launches they are on CUDA (:data:`FUSED`), unless ``--raw``.
 Ops inside a drafter or target layer are also attributed to that layer (``draft`` per drafter layer,
 ``verify`` per target layer kind), and ``commit`` is split into the target's part and the drafter
 context append.
@@ -214,7 +214,9 @@ FUSED = (
     ("dflash2.runtime.kernels.rope", "qk_norm_rope_write_ref", 1),
     ("dflash2.runtime.kernels.norm", "add_rms_norm_fp32w_ref", 1),
     ("dflash2.runtime.kernels.draft_rope", "draft_qk_rope_write_ref", 1),
-    ("dflash2.runtime.kernels.local_conv", "local_conv_ref", 1),  # one side of a DFlash2 local conv
+    ("dflash2.runtime.kernels.local_conv", "local_conv_ref", 1),  # one side of a DFlash2 local conv (the pre side)
+    # a DFlash2 sublayer's post side fused into the next norm (its residual add + RMSNorm): one launch for two
+    ("dflash2.runtime.kernels.conv_norm", "conv_add_rms_norm_fp32w_ref", 1),
     ("dflash2.runtime.selector_path", "greedy_walk", 2),  # the hidden projection's GEMM + the walk's launch
     ("dflash2.runtime.kernels.act", "silu_mul_ref", 1),
     ("dflash2.runtime.kernels.gated_norm", "gated_rms_norm_ref", 1),

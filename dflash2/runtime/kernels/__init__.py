@@ -15,6 +15,9 @@ These kernels fold each such group into one launch:
   writing the context K/V of every drafter layer in one launch (no q);
 * :func:`~dflash2.runtime.kernels.local_conv.local_conv`: one side of the drafter's DFlash2 local conv (kernel
   add, padded shifted products, their sum), one program per token and channel tile (twin: draft_math's ops);
+* :func:`~dflash2.runtime.kernels.conv_norm.conv_add_rms_norm_fp32w`: a conv'd sublayer's post side, the
+  residual add after it and the next drafter norm, one program per token row, the same code as that pair of
+  launches (bit for bit with them; twin: their twins' ops);
 * :func:`~dflash2.runtime.kernels.selector.selector_walk`: the DFlash2 selector's greedy walk over a
   block, one program per row (twin: the walk's eager ops);
 * :func:`~dflash2.runtime.kernels.selector_sample.selector_sample_walk`: the selector's T>0 walk, softmax over the

@@ -16,12 +16,16 @@ kernel is compiled without FMA contraction (``enable_fp_fusion=False``: round(ou
 become one fused rounding in fp32). No reduction: the kernel is exact against its twin wherever the
 fp32 -> x dtype cast rounds to nearest (compiled Triton; Triton's interpreter truncates bf16 casts).
 
+The runtime drafter launches this for the pre side only: a post side's output is read only by the next
+norm, whose launch computes it (kernels/conv_norm.py, with the same per-row code, ``_conv_side_row``).
+
 Shapes: N rows, T block tokens, d = G·gs channels in G groups of gs, K taps; x (N, T, d); delta
 (N, T, 2·K·G), the kernel projection's output in ``ConvWeights``' layout (side, K-1-t, g); base
 (2, K, G, gs) ``ConvWeights.base`` (taps reversed). Returns (N, T, d) in x's dtype.
 """
 
 import torch
+import triton
 import triton.language as tl
 
 from dflash2.runtime.draft_math import conv_apply, conv_kernels_of
@@ -34,6 +38,32 @@ _MAX_BLOCK = 1024  # channels per program: wider rows take several programs
 def local_conv_ref(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, side: int) -> torch.Tensor:
     """The eager twin: the side's kernels (one add), then the padded window's product and the sum of its taps."""
     return conv_apply(x, conv_kernels_of(delta, base, side))
+
+
+@triton.jit
+def _conv_side_row(
+    x_ptr, delta_ptr, base_ptr, m, i, c, cm, D, G, GS, SIDE: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Side SIDE at token m (n·T + i, position i of its block), channels c (BLOCK,) masked by cm: the output's
+    fp32 values, each already rounded to x's dtype in the eager ops' order (module docstring); 0 where ~cm.
+
+    Shared by ``_local_conv_kernel`` and the post-conv + add + norm kernel (kernels/conv_norm.py), so that the
+    fused post-conv is the same code as the unfused one."""
+    dt = x_ptr.dtype.element_ty
+    out = tl.zeros([BLOCK], dtype=tl.float32)
+    for t in tl.static_range(K):
+        j = K - 1 - t  # the tap's index in the reversed layout
+        b = tl.load(base_ptr + (SIDE * K + j) * D + c, mask=cm, other=0.0).to(dt).to(tl.float32)
+        dl = tl.load(delta_ptr + m * (2 * K * G) + (SIDE * K + j) * G + c // GS, mask=cm, other=0.0)
+        w = (b + dl.to(tl.float32)).to(dt).to(tl.float32)  # the kernel add, rounded as the eager add
+        inside = cm & (tl.zeros([BLOCK], dtype=tl.int64) + i >= t)  # x[i - t] is in the block, else the padding's 0
+        xs = tl.load(x_ptr + (m - t) * D + c, mask=inside, other=0.0).to(tl.float32)
+        term = (xs * w).to(dt).to(tl.float32)
+        if t == 0:  # noqa: SIM108 (constexpr): tap 0 starts the sum
+            out = term
+        else:
+            out = (out + term).to(dt).to(tl.float32)
+    return out
 
 
 def _local_conv_kernel(
@@ -49,26 +79,12 @@ def _local_conv_kernel(
     K: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # program (token m = n·T + i, channel tile); x, delta, out contiguous; base (2, K, G·gs) contiguous
+    # program (token m = n·T + i, channel tile); x, delta, out contiguous, out in x's dtype; base (2, K, G·gs)
     m = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cm = c < D
-    i = m % T  # position in the block
-    dt = out_ptr.dtype.element_ty
-    out = tl.zeros([BLOCK], dtype=tl.float32)
-    for t in tl.static_range(K):
-        j = K - 1 - t  # the tap's index in the reversed layout
-        b = tl.load(base_ptr + (SIDE * K + j) * D + c, mask=cm, other=0.0).to(dt).to(tl.float32)
-        dl = tl.load(delta_ptr + m * (2 * K * G) + (SIDE * K + j) * G + c // GS, mask=cm, other=0.0)
-        w = (b + dl.to(tl.float32)).to(dt).to(tl.float32)  # the kernel add, rounded as the eager add
-        inside = cm & (tl.zeros([BLOCK], dtype=tl.int64) + i >= t)  # x[i - t] is in the block, else the padding's 0
-        xs = tl.load(x_ptr + (m - t) * D + c, mask=inside, other=0.0).to(tl.float32)
-        term = (xs * w).to(dt).to(tl.float32)
-        if t == 0:  # noqa: SIM108 (constexpr): tap 0 starts the sum
-            out = term
-        else:
-            out = (out + term).to(dt).to(tl.float32)
-    tl.store(out_ptr + m * D + c, out.to(dt), mask=cm)
+    out = _conv_side_row(x_ptr, delta_ptr, base_ptr, m, m % T, c, cm, D, G, GS, SIDE, K, BLOCK)
+    tl.store(out_ptr + m * D + c, out.to(out_ptr.dtype.element_ty), mask=cm)
 
 
 def local_conv(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, side: int) -> torch.Tensor:

@@ -11,9 +11,13 @@ rms is computed in fp32. Shapes: x, residual (..., D); weight (D,); returns (h, 
 The kernel's sum of squares runs in Triton's reduction order, the twin's in the library's: rms
 may differ in its last fp32 bit, so y to fp32 rounding (fp32) or, where that flips a rounding,
 one unit in the last place (bf16). h is exact (one fp32 add, rounded as the eager add rounds).
+add_rms_norm_fp32w's launches are compiled without FMA contraction, as the fused post-conv + add + norm
+(kernels/conv_norm.py, which shares this kernel's row code) must be: the drafter's norm then rounds the same
+whichever of the two launches it (with contraction the sum of squares and ms + eps become FMAs).
 """
 
 import torch
+import triton
 import triton.language as tl
 
 from dflash2.runtime.draft_math import rms_norm as _draft_rms_norm
@@ -31,6 +35,35 @@ def add_rms_norm_ref(x, residual, weight, eps: float, offset: bool):
     if offset:
         return h, (y * (1.0 + weight.float())).to(h.dtype)
     return h, weight * y.to(h.dtype)
+
+
+@triton.jit
+def _residual_add(x, r, h_ptr, offs, m):
+    """h = round(x + r) to h's dtype (the eager add's one rounding), stored at offs; returns it. x, r: any float
+    dtype (r may be fp32 holding values already rounded to h's dtype: the fused post-conv's output)."""
+    h = (x.to(tl.float32) + r.to(tl.float32)).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + offs, h, mask=m)
+    return h
+
+
+@triton.jit
+def _rms_norm_row(x, w_ptr, y_ptr, offs, cols, m, D, inv_d, eps, MODE: tl.constexpr):
+    """y = RMSNorm(x) in rounding mode MODE of the row x (BLOCK,) (0 where ~m), stored at offs. Shared by
+    ``_add_rms_norm_kernel`` and the fused post-conv + add + norm (kernels/conv_norm.py): one reduction code."""
+    xf = x.to(tl.float32)
+    if MODE == 2:  # noqa: SIM108 (constexpr): torch.mean on CUDA scales the sum by the fp32 1/D
+        ms = tl.sum(xf * xf, axis=0) * inv_d
+    else:
+        ms = tl.sum(xf * xf, axis=0) / D
+    rstd = tl.rsqrt(ms + eps)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    if MODE == 1:  # offset: (1 + w) in fp32, one rounding
+        y = xf * rstd * (1.0 + w)
+    elif MODE == 2:  # fp32 weight: (h·rstd)·w in fp32, one rounding (draft_math.rms_norm)
+        y = (xf * rstd) * w
+    else:  # HF: round, then the weight's product
+        y = w * (xf * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
 def _add_rms_norm_kernel(
@@ -53,22 +86,8 @@ def _add_rms_norm_kernel(
     x = tl.load(x_ptr + row * D + cols, mask=m, other=0.0)
     if HAS_RES:
         r = tl.load(r_ptr + row * D + cols, mask=m, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(h_ptr.dtype.element_ty)  # the eager add's rounding
-        tl.store(h_ptr + row * D + cols, x, mask=m)
-    xf = x.to(tl.float32)
-    if MODE == 2:  # noqa: SIM108 (constexpr): torch.mean on CUDA scales the sum by the fp32 1/D
-        ms = tl.sum(xf * xf, axis=0) * inv_d
-    else:
-        ms = tl.sum(xf * xf, axis=0) / D
-    rstd = tl.rsqrt(ms + eps)
-    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    if MODE == 1:  # offset: (1 + w) in fp32, one rounding
-        y = xf * rstd * (1.0 + w)
-    elif MODE == 2:  # fp32 weight: (h·rstd)·w in fp32, one rounding (draft_math.rms_norm)
-        y = (xf * rstd) * w
-    else:  # HF: round, then the weight's product
-        y = w * (xf * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(y_ptr + row * D + cols, y.to(y_ptr.dtype.element_ty), mask=m)
+        x = _residual_add(x, r, h_ptr, row * D + cols, m)
+    _rms_norm_row(x, w_ptr, y_ptr, row * D + cols, cols, m, D, inv_d, eps, MODE)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, offset: bool):
@@ -120,6 +139,10 @@ def _launch(x, residual, weight, eps: float, mode: int):
         MODE=mode,
         BLOCK=block,
         num_warps=_warps(block),
+        # the drafter's norms (MODE 2) without FMA contraction, as the eager ops and as the fused post-conv
+        # + norm (kernels/conv_norm.py, whose conv needs it off): the same compiled sum of squares and rstd
+        # in both, so a norm's result does not depend on which of the two launched it
+        **({"enable_fp_fusion": False} if mode == _FP32W else {}),
     )
     return (x if residual is None else h.view(x.shape)), y.view(x.shape)
 
