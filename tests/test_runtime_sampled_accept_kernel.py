@@ -112,6 +112,23 @@ def _old_engine(p, proposal, seed, buf):
 CASES = [(N, P, q) for P in (0, 3, 7, 15) for q in ("point", "sparse", "dense") for N in (1, 9)]
 
 
+def _fresh_rows(N: int, *, limit: int, out: torch.Tensor) -> dict:
+    """Slot buffers of N active rows at the start of a generation (count 0, no EOS, one log step), with the
+    given budget and output row: the bookkeeping arguments of sampled_accept / its twin."""
+    z = dict(dtype=torch.long)
+    return dict(
+        eos=torch.tensor([-1, -1]),
+        active=torch.ones(N, dtype=torch.bool),
+        count=torch.zeros(N, **z),
+        limit=torch.full((N,), limit),
+        out=out,
+        commit_n=torch.zeros(N, **z),
+        token=torch.zeros(N, **z),
+        log=torch.zeros(1, 3, N, **z),
+        step=torch.tensor([0]),
+    )
+
+
 @pytest.mark.parametrize("N,P,q", CASES)
 def test_kernel_equals_twin(interpret, monkeypatch, N, P, q):
     devices = kernel_devices()
@@ -174,17 +191,7 @@ def test_exact_ties_and_the_strict_accept(interpret):
     u = torch.tensor([[0.5, 0.3], [0.99, 0.0]])
     race = torch.ones(N, V)  # every score of a row equal
     z = dict(dtype=torch.long)
-    buf = dict(
-        eos=torch.tensor([-1, -1]),
-        active=torch.ones(N, dtype=torch.bool),
-        count=torch.zeros(N, **z),
-        limit=torch.full((N,), 9),
-        out=torch.zeros(N, 4, **z),
-        commit_n=torch.zeros(N, **z),
-        token=torch.zeros(N, **z),
-        log=torch.zeros(1, 3, N, **z),
-        step=torch.tensor([0]),
-    )
+    buf = _fresh_rows(N, limit=9, out=torch.zeros(N, 4, **z))
     twin = _run(sampled_accept_ref, p, proposal, u, race, buf)
     assert twin["log"][0, 1].tolist() == [0, 2] and twin["token"].tolist() == [0, 0]
     for device in kernel_devices():
@@ -231,17 +238,7 @@ def test_many_chunks_late_maxima_ties_and_the_fallback(interpret, q):
     p, proposal, u, race, bonuses = _many_chunk_rows(q)
     N, P = u.shape
     z = dict(dtype=torch.long)
-    buf = dict(
-        eos=torch.tensor([-1, -1]),
-        active=torch.ones(N, dtype=torch.bool),
-        count=torch.zeros(N, **z),
-        limit=torch.full((N,), 9),
-        out=torch.full((N, P + 2), -5, **z),
-        commit_n=torch.zeros(N, **z),
-        token=torch.zeros(N, **z),
-        log=torch.zeros(1, 3, N, **z),
-        step=torch.tensor([0]),
-    )
+    buf = _fresh_rows(N, limit=9, out=torch.full((N, P + 2), -5, **z))
     twin = _run(sampled_accept_ref, p, proposal, u, race, buf)
     assert twin["log"][0, 1].tolist() == [0, 2, 1, 1] and twin["token"].tolist() == bonuses
     resid, _ = residual(p, with_q(proposal), twin["log"][0, 1])
@@ -349,17 +346,7 @@ def _law_rows(M, q, seed):
 def _check_law(fn, M, q, device, seed):
     p, proposal, p0, q0 = _law_rows(M, q, seed)
     z = dict(dtype=torch.long)
-    buf = dict(
-        eos=torch.tensor([-1, -1]),
-        active=torch.ones(M, dtype=torch.bool),
-        count=torch.zeros(M, **z),
-        limit=torch.full((M,), 10),
-        out=torch.zeros(M, 8, **z),
-        commit_n=torch.zeros(M, **z),
-        token=torch.zeros(M, **z),
-        log=torch.zeros(1, 3, M, **z),
-        step=torch.tensor([0]),
-    )
+    buf = _fresh_rows(M, limit=10, out=torch.zeros(M, 8, **z))
     u, race = accept_noise(p, 3, torch.Generator().manual_seed(seed + 1))
     got = _run(fn, *(_to(x, device) for x in (p, proposal, u, race, buf)))
     first, a = got["out"][:, 0].cpu(), got["log"][0, 1].cpu()
