@@ -219,3 +219,28 @@ def test_flush_is_idempotent_and_a_no_op_without_a_pending_fold(monkeypatch):
         assert not _same(s, start) and _same(s, ref), mode  # committed at once
         s.flush()
         assert _same(s, ref), mode
+
+
+def test_block_v_narrows_until_the_recurrence_fills_the_sms():
+    """The pair's GDN shape (8 value heads, d_v 96) on 132 SMs: 48 programs at 16, 96 at 8, 192 at 4; the 9B
+    shape (32 heads, d_v 128) has 256 at 16 and keeps it; never below 4, never above d_v's power of two."""
+    from dflash2.runtime.kernels.gdn_log import occupancy_block_v, recur_programs
+
+    assert occupancy_block_v(1, 8, 96, 132) == 4 and recur_programs(8, 96, 4) == 192
+    assert occupancy_block_v(8, 8, 96, 132) == 16  # 384 programs
+    assert occupancy_block_v(2, 8, 96, 132) == 8  # 96 at 16, 192 at 8
+    assert occupancy_block_v(1, 32, 128, 132) == 16
+    assert occupancy_block_v(1, 1, 8, 10_000) == 4
+    assert occupancy_block_v(64, 4, 4, 1) == 4  # d_v 4: its own power of two
+
+
+@pytest.mark.cuda
+def test_a_cuda_state_picks_its_block_v_unless_given():
+    kw = dict(
+        conv_dim=C, conv_kernel=K, num_k_heads=HK, num_v_heads=H, head_k_dim=DK, head_v_dim=DV, dtype=torch.float32
+    )
+    picked = GDNState(1, 1, device="cuda", mode="replay", **kw)
+    assert picked.kernel_options == {"block_v": 4}  # 1 row × 4 heads × 8/4: 8 programs, fewer than any GPU's SMs
+    given = GDNState(1, 1, device="cuda", mode="replay", kernel_options={"block_v": 8}, **kw)
+    assert given.kernel_options == {"block_v": 8}
+    assert GDNState(1, 1, device="cuda", mode="reference", **kw).kernel_options == {}

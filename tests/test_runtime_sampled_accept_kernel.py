@@ -266,16 +266,21 @@ def test_the_launches_at_qwen3_8b_vocabulary(interpret, monkeypatch):
 
     monkeypatch.setattr(mod, "jit", lambda fn, **k: Launch(fn))
     Vq, P = 151_936, 15
-    p, race = torch.zeros(1, P + 1, Vq), torch.ones(1, Vq)
-    drafts = torch.zeros(1, P, dtype=torch.long)
-    z = dict(dtype=torch.long)
-    slots = [torch.tensor([-1, -1]), torch.ones(1, dtype=torch.bool), *(torch.zeros(1, **z) for _ in range(2))]
-    slots += [torch.zeros(1, 32, **z), torch.zeros(1, **z), torch.zeros(1, **z)]
-    ids = torch.arange(16).repeat(1, P, 1)
-    for proposal, chunks, block in ((Proposal(drafts), 149, 1024), (Proposal(drafts, ids, ids.float()), 297, 512)):
-        grids.clear()
-        sampled_accept(p, proposal, torch.zeros(1, P), race, *slots)
-        assert grids == [("_race_chunk_kernel", (1, chunks), block), ("_sampled_accept_finish_kernel", (1,), None)]
+    for device in kernel_devices():  # CPU tensors reach the kernel only under the interpreter
+        d = dict(device=device)
+        p, race = torch.zeros(1, P + 1, Vq, **d), torch.ones(1, Vq, **d)
+        drafts = torch.zeros(1, P, dtype=torch.long, **d)
+        z = dict(dtype=torch.long, **d)
+        slots = [torch.tensor([-1, -1], **d), torch.ones(1, dtype=torch.bool, **d)]
+        slots += [torch.zeros(1, **z) for _ in range(2)]
+        slots += [torch.zeros(1, 32, **z), torch.zeros(1, **z), torch.zeros(1, **z)]
+        ids = torch.arange(16, **d).repeat(1, P, 1)
+        sparse = Proposal(drafts, ids, ids.float())
+        for proposal, chunks, block in ((Proposal(drafts), 149, 1024), (sparse, 297, 512)):
+            grids.clear()
+            sampled_accept(p, proposal, torch.zeros(1, P, **d), race, *slots)
+            want = [("_race_chunk_kernel", (1, chunks), block), ("_sampled_accept_finish_kernel", (1,), None)]
+            assert grids == want, device
 
 
 def test_kernels_off_runs_the_twin(monkeypatch):

@@ -143,7 +143,8 @@ class Row:
     total_us: float
     spec_bytes_per_request: int  # all GDN layers
     state_bytes_per_request: int  # the committed conv + recurrent state, all GDN layers
-    kernel_options: dict
+    kernel_options: dict  # as given ({} = the defaults)
+    resolved_options: dict | None = None  # what the state ran: the given ones plus defaults GDNState picks (block_v)
 
 
 def _layer_inputs(shape: GDNShape, N: int, T: int, dtype, device, seed: int = 0) -> list[tuple]:
@@ -285,6 +286,7 @@ def measure(
         spec_bytes_per_request=spec_bytes,
         state_bytes_per_request=state_bytes,
         kernel_options=dict(kernel_options or {}),
+        resolved_options=dict(state.kernel_options),
     )
 
 
@@ -326,6 +328,13 @@ SWEEP = dict(block_v=(4, 8, 16, 32, 64), num_warps=(1, 2, 4, 8))
 CHUNK_SWEEP = dict(chunk_block_v=(16, 32, 64, 128), chunk_warps=(1, 2, 4, 8), chunk_block_k=(16, 32))
 PREP_SWEEP = (1, 2, 4, 8)  # the prep kernel's warps, searched after the tile (it does not depend on it)
 STAGES_SWEEP = (2, 3, 4)  # the recurrence's pipelined loops (0, the hand prefetch, is the grid's own)
+
+
+def _options_label(r: Row) -> str:
+    """The options column: as given, plus what the state picked for the rest (e.g. 'default (block_v 4)')."""
+    picked = {k: v for k, v in (r.resolved_options or {}).items() if k not in r.kernel_options}
+    label = str(r.kernel_options) if r.kernel_options else "default"
+    return label + "".join(f" ({k} {v})" for k, v in picked.items())
 
 
 def best_options(shape, N, T, mode, **kw) -> Row:
@@ -377,7 +386,7 @@ def report(rows: list[Row], T: int) -> str:
     lines += [
         f"| {r.batch} | {r.mode} | {r.verify_us:.1f} | {r.commit_us:.1f} | {r.total_us:.1f} "
         f"| {_size(r.spec_bytes_per_request)} | {_size(r.state_bytes_per_request)} "
-        f"| {r.kernel_options or 'default'} |"
+        f"| {_options_label(r)} |"
         for r in rows
     ]
     by = {}  # (batch, mode) -> its fastest row: with several --options, the targets are checked on the best

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash2.runtime.kernels.gdn_log import GDNLog, PendingFold, new_log, recur_programs
+from dflash2.runtime.kernels.gdn_log import GDNLog, PendingFold, new_log, occupancy_block_v, recur_programs
 from dflash2.runtime.kernels.gdn_replay.reference import gdn_replay
 from dflash2.runtime.kernels.gdn_verify.reference import gdn_gates, gdn_verify
 
@@ -106,7 +106,8 @@ class GDNState:
     block_t / num_warps / prep_warps / stages / split_out / chunked / chunk_warps / chunk_block_v / chunk_block_k,
     gdn_verify_triton's keywords (tuning; ``chunked=True``: ReplaySSM's verify computes the block with matrix
     products instead of a serial walk, equal to fp32 rounding, §5.5, the chunk_* knobs its tile and warps;
-    the commit kernel takes only block_v / num_warps); defer: whether replay mode defers
+    the commit kernel takes only block_v / num_warps; block_v left out on CUDA = :func:`occupancy_block_v` at this
+    batch size and the GPU's SM count, resolved here into kernel_options); defer: whether replay mode defers
     commits of reserved logs (default True; False commits with the fold kernel at once, the layout
     before the deferred commit, for comparisons).
     """
@@ -137,6 +138,14 @@ class GDNState:
         self.num_k_heads, self.head_k_dim = num_k_heads, head_k_dim
         self.mode, self.native_max_tokens = mode, native_max_tokens
         self.kernel_options = dict(kernel_options or {})
+        if (
+            mode in ("replay", "native")
+            and "block_v" not in self.kernel_options
+            and torch.device(device).type == "cuda"
+        ):
+            # at a small batch: narrower value slices, so that the recurrence's programs fill the SMs
+            sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+            self.kernel_options["block_v"] = occupancy_block_v(batch_size, num_v_heads, head_v_dim, sms)
         self.logs: list[GDNLog | None] = [None] * num_layers
         self._static: dict[int, list[GDNLog]] = {}  # T -> per-layer logs at fixed addresses (reserve)
         self.defer = bool(defer)

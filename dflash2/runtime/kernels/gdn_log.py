@@ -91,6 +91,19 @@ def default_block_v(head_v_dim: int) -> int:
     return min(1 << max(head_v_dim - 1, 0).bit_length(), 16)
 
 
+def occupancy_block_v(batch: int, num_v_heads: int, head_v_dim: int, programs_wanted: int) -> int:
+    """:func:`default_block_v`, halved (down to 4) while the recurrence would run fewer than ``programs_wanted``
+    programs (batch · H · ceil(d_v / block_v); GDNState passes the GPU's SM count). Why: at a small batch the
+    recurrence is a latency chain per program, and a narrower value slice shortens each program's per-token
+    work while more SMs share the layer. H200, block 8, the embedded small target's GDN shape (8 value heads,
+    d_v 96) at batch 1: 48 programs at block_v 16, 13.8 µs per layer; 192 at block_v 4, 11.2 µs. The 9B
+    shape already has 256 programs at batch 1 and keeps 16 (docs/BENCHMARKS.md)."""
+    bv = default_block_v(head_v_dim)
+    while bv > 4 and batch * num_v_heads * -(-head_v_dim // bv) < programs_wanted:
+        bv //= 2
+    return bv
+
+
 def recur_programs(num_v_heads: int, head_v_dim: int, block_v: int | None = None) -> int:
     """P, the verify recurrence kernel's programs per row: H · ceil(d_v / block_v) (PendingFold.n's width)."""
     bv = block_v or default_block_v(head_v_dim)
