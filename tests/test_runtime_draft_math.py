@@ -117,7 +117,7 @@ def test_selector_walk_is_greedy_path(dtype):
 class ModuleDrafter(RuntimeDrafter):
     """The oracle: the runtime drafter with the drafter modules' own ops, one layer and one projection at a time."""
 
-    def append(self, ctx, taps, n):
+    def write_context(self, ctx, taps):
         T = taps.shape[1]
         c = self.drafter.fuse_context(taps.to(self.dtype))
         meta = ctx.meta(T, attend=False)
@@ -125,7 +125,6 @@ class ModuleDrafter(RuntimeDrafter):
         for i, layer in enumerate(self.drafter.layers):
             k, v = layer.self_attn.context_kv(c, cos, sin)
             ctx.kv.write(i, k, v, meta)
-        ctx.lengths += n
 
     def _module_attention(self, attn, x, *, cos, sin, kv, slot, meta):
         N, T, _ = x.shape

@@ -79,6 +79,9 @@ class ScriptedProposer:
     def new_context(self, batch_size, max_len):
         return SimpleNamespace(taps=None, lengths=torch.zeros(batch_size, dtype=torch.long))
 
+    def write_context(self, ctx, taps):  # no K/V: the script needs only the lengths
+        pass
+
     def append(self, ctx, taps, n):
         ctx.lengths += n
 

@@ -156,3 +156,33 @@ def test_sampled_generation_in_graphs_equals_eager(hf_targets, kind, monkeypatch
     point = [dec.generate_spec(PROMPTS, 40, generator=seeded(), argmax_drafts=True, **warp) for dec in (graphed, eager)]
     assert point[0].sequences == point[1].sequences
     assert both(3) == first  # the selector-sampled graphs still read their own buffers
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_context_written_beside_the_verify_equals_in_line(hf_targets, kind, monkeypatch):
+    """The drafter's context K/V forked onto a side stream inside the captured verify (SideStream) give the
+    same tokens and the same context cache as writing them in line after the target's layers, eager and graphed."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    _, model, drafter = _pair(hf_targets, kind, "cuda")
+    runs = {}
+    for overlap in (True, False):
+        for graphs in (True, False):
+            dec = Decoder(model, drafter, max_len=128, graphs=graphs, overlap_context=overlap)
+            assert (dec.side.stream is not None) == overlap
+            out = [dec.generate_spec(PROMPTS, 40) for _ in range(2)]  # graphed: the second round replays
+            s = dec.slots[4]
+            runs[overlap, graphs] = ([o.sequences for o in out], [o.accepted_drafts for o in out], s.ctx.kv.k.clone())
+    ref = runs[False, False]
+    for key, got in runs.items():
+        assert got[0] == ref[0] and got[1] == ref[1], key
+        torch.testing.assert_close(got[2], ref[2], rtol=0, atol=0)
+
+
+def test_side_stream_on_the_cpu_calls_at_once():
+    from dflash2.runtime.side_stream import SideStream
+
+    side, calls = SideStream("cpu"), []
+    side.fork(lambda: calls.append(1))
+    assert calls == [1] and side.stream is None and not side.pending
+    side.join()  # nothing to wait for

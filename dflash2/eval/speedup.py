@@ -504,6 +504,7 @@ def run_speedup(
     seed: int = 0,
     prefill_graph_tokens: int | None = None,
     gc_pause: bool = False,
+    overlap_context: bool = True,
 ) -> dict:
     """Measure (a), (b), (c) for each batch size on ``pair`` (speedup_setup.Pair); write results if output_dir.
 
@@ -523,7 +524,9 @@ def run_speedup(
     > 0: prompts up to that width prefilled as CUDA graphs, runtime/prefill.py; None: the Decoder's default,
     64 on CUDA and 0 on the CPU), recorded in the results as resolved. gc_pause: every Decoder's (its decode loops with
     Python's cyclic garbage collector off; the deferred collection lands after the loop, in the wall time:
-    compare tokens/s and outside_steps_ms, not only the steps), recorded.
+    compare tokens/s and outside_steps_ms, not only the steps), recorded. overlap_context: every Decoder's (the
+    drafter's context K/V written on a side stream beside the verify's last target layers; False: after them),
+    recorded.
     hf_check_tokens: 0 = off; n > 0 = HF greedy ``generate`` of every prompt once (n new tokens per row, untimed,
     in batches of max(batch_sizes) rows, :func:`hf_greedy`), compared at each batch size with the headline
     mode's AR and spec rows (:func:`compare_with_hf`): ``results["hf_check"]`` and each batch row's
@@ -539,6 +542,9 @@ def run_speedup(
     prefill_graph_tokens = default_prefill_graph_tokens(device.type == "cuda", prefill_graph_tokens)
     if 0 < longest <= prefill_graph_tokens:  # the bucketed prefill writes K/V up to its bucket: room for it
         max_len = max(max_len, prefill_bucket(longest))
+    decoder_options = dict(
+        prefill_graph_tokens=prefill_graph_tokens, gc_pause=bool(gc_pause), overlap_context=bool(overlap_context)
+    )
     bw = copy_bandwidth(device, copy_bytes)
     wbytes = weight_bytes(target)
     bound_ms = wbytes / bw * 1e3
@@ -556,6 +562,7 @@ def run_speedup(
         "num_prompts": len(pair.prompts),  # every runtime row decodes all (see each method's ``decoded``)
         "prefill_graph_tokens": int(prefill_graph_tokens),  # 0: eager prefill
         "gc_pause": bool(gc_pause),  # the decode loops ran with Python's cyclic GC off
+        "overlap_context": bool(overlap_context),  # the drafter's context K/V beside the verify's last layers
         **(extra or {}),
         "attention": attention_in_use(device),  # what decode blocks ran (prefill: SDPA), fallbacks applied
         "gemm": gemm_in_use(device),  # what the target's decode-sized projections ran, fallbacks applied
@@ -601,9 +608,7 @@ def run_speedup(
             progress.set_description(f"timed generations, GDN {mode}")
         with speedup_gdn.gdn_mode(target, mode, gdn_kernel_options):
             # new states (and graphs) in this mode
-            dec = Decoder(
-                target, drafter, max_len=max_len, prefill_graph_tokens=prefill_graph_tokens, gc_pause=gc_pause
-            )
+            dec = Decoder(target, drafter, max_len=max_len, **decoder_options)
             for N in batch_sizes:
                 prompts = prompts_of[N]
                 sub = _measure_mode(dec, prompts, *measured, batch_size=N, prompt_index=index_of[N])
@@ -628,9 +633,7 @@ def run_speedup(
                     # the same graphs with the eager twins inside and SDPA attention: what our Triton kernels buy;
                     # on the first prompt only (a step-time figure at batch 1; its ``decoded`` says so)
                     with kernels.kernels(False):
-                        plain = Decoder(
-                            target, None, max_len=max_len, prefill_graph_tokens=prefill_graph_tokens, gc_pause=gc_pause
-                        )
+                        plain = Decoder(target, None, max_len=max_len, **decoder_options)
                         results["ablation_ar_batch1_no_fused_kernels"] = {
                             **_strip(
                                 time_runtime(plain, pair.prompts[:1], max_new_tokens, runs, False, None, sampling, seed)

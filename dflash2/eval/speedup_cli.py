@@ -107,6 +107,7 @@ def _measure(cfg, modes, gemm) -> dict:
         seed=int(cfg.seed),
         prefill_graph_tokens=_optional_int(cfg.get("prefill_graph_tokens")),  # None: the Decoder's default
         gc_pause=bool(cfg.get("gc_pause", False)),
+        overlap_context=bool(cfg.get("overlap_context", True)),
     )
     print(f"results in {cfg.paths.output_dir}")
     return results

@@ -65,7 +65,12 @@ def markdown(results: dict) -> str:
         "Median [min–max] over runs. Decoded: the prompts each method decoded (rows beyond them are repeats) "
         "and its batches; the runtime decodes every prompt at every batch size, HF generate the first batch. "
         f"Prefill: {_prefill(results)}."
-        + (" Decode loops with Python's garbage collector paused." if results.get("gc_pause") else ""),
+        + (" Decode loops with Python's garbage collector paused." if results.get("gc_pause") else "")
+        + (
+            " The drafter's context K/V written after the verify's target layers, not beside them."
+            if results.get("overlap_context") is False
+            else ""
+        ),
         "",
         "| batch | method | decoded | ms/step | tokens/s | τ | weight GB/s | % of bound | lossless |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -194,12 +194,14 @@ class RuntimeDrafter:
         return rope_tables(positions, self.weights.rope_freqs, self.weights.rope_sign, dtype)
 
     @torch.no_grad()
-    def append(self, ctx: DraftContext, taps: torch.Tensor, n: torch.Tensor) -> None:
-        """Add target features of new verified positions: taps (N, T, K·d) at positions lengths + 0..T-1.
+    def write_context(self, ctx: DraftContext, taps: torch.Tensor) -> None:
+        """The context K/V of target features taps (N, T, K·d) at positions lengths + 0..T-1; lengths unchanged.
 
-        Row r keeps the first n[r] (N,) long; the K/V of the rest land past its length (never read,
-        overwritten later). Same values as ``ContextCache.append``: c = hidden_norm(fc(taps)), then per
-        layer K = RoPE(k_norm(k_proj(c))), V = v_proj(c) — all layers in one GEMM, one norm, one RoPE.
+        What the row keeps is decided later (``ctx.lengths += n``): the K/V past a row's length are never read
+        and are overwritten later, so this needs no acceptance and can run as soon as the taps exist (the
+        engine runs it beside the verify's last target layers). Same values as ``ContextCache.append``:
+        c = hidden_norm(fc(taps)), then per layer K = RoPE(k_norm(k_proj(c))), V = v_proj(c) — all layers
+        in one GEMM, one norm, one RoPE.
         """
         T, w = taps.shape[1], self.weights
         c = add_rms_norm_fp32w(self.drafter.fc(taps.to(self.dtype)), None, w.hidden_norm, w.eps)[1]  # fuse_context
@@ -208,6 +210,12 @@ class RuntimeDrafter:
         kv = F.linear(c, w.context_kv)  # (N, T, 2·L·Hkv·hd): [K | V] of every layer
         # K normed and rotated, K and V written at positions, every layer in one call (no q: num_heads=0)
         draft_qk_rope_write(kv, w.context_k_norm, cos, sin, positions, ctx.kv.k, ctx.kv.v, num_heads=0, eps=w.eps)
+
+    @torch.no_grad()
+    def append(self, ctx: DraftContext, taps: torch.Tensor, n: torch.Tensor) -> None:
+        """Add target features of new verified positions: taps (N, T, K·d) at positions lengths + 0..T-1;
+        row r keeps the first n[r] (N,) long. :meth:`write_context`, then the lengths advance."""
+        self.write_context(ctx, taps)
         ctx.lengths += n
 
     # ------------------------------------------------------------------ draft

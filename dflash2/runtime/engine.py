@@ -55,6 +55,7 @@ from dflash2.runtime.kernels.sampled_accept import sampled_accept
 from dflash2.runtime.poll import LaggedPoll, pair_of
 from dflash2.runtime.prefill import bucketed_prefill, prefill_bucket
 from dflash2.runtime.sampling import Proposal, accept_noise
+from dflash2.runtime.side_stream import SideStream
 from dflash2.runtime.step import choose, emit, prefill
 
 KV_BUCKET = 64  # eager: attention reads the caches up to the longest row rounded up to this
@@ -222,6 +223,9 @@ class Decoder:
     gc_pause: the decode loop runs with Python's cyclic garbage collector off (:func:`collector_paused`).
     Off by default until measured; note the switch is process-wide (other threads' collections wait too)
     and the collection it defers runs after the loop, inside the generation's wall time.
+    overlap_context: a speculative verify writes the drafter's context K/V of its block on a side stream as
+    soon as the target's last tapped layer has run, beside the remaining layers (:class:`SideStream`, joined
+    inside the verify phase); False = in line after them. The same values either way.
     Attributes set by callers: ``timer`` (a :class:`~dflash2.runtime.graphs.PhaseTimer` or None) and
     ``on_step`` (called with the slot after each step: progress bars, tests).
     """
@@ -238,6 +242,7 @@ class Decoder:
         poll_lag: int | None = None,
         prefill_graph_tokens: int | None = None,
         gc_pause: bool = False,
+        overlap_context: bool = True,
     ):
         if drafter is not None and not hasattr(drafter, "propose"):  # a DFlashDrafter or its folder
             drafter = RuntimeDrafter(drafter, model)
@@ -257,6 +262,8 @@ class Decoder:
             raise DFlash2Error(f"prefill_graph_tokens={prefill_graph_tokens} must be ≥ 0 (0 = eager prefill)")
         self.prefill_graph_tokens = int(prefill_graph_tokens)
         self.gc_pause = bool(gc_pause)
+        # the drafter's context K/V beside the verify's last target layers (_verify); False: in line, after them
+        self.side = SideStream(self.device, enabled=bool(overlap_context))
         self.kv_bucket = GRAPH_KV_BUCKET if self.graphs else KV_BUCKET
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
         # T>0 on CUDA: one generator of the Decoder's, seeded per generation from the caller's (see
@@ -375,8 +382,8 @@ class Decoder:
         if s.state.gdn is not None:
             s.state.gdn.use_static(T)  # what the last T-token verify logged, at its fixed addresses
         s.state.commit(s.commit_n)
-        if spec:
-            self.drafter.append(s.ctx, s.ctx.taps, s.commit_n)
+        if spec:  # the context K/V were written during the verify (_verify): the rows keep commit_n of them
+            s.ctx.lengths += s.commit_n
         pair_of(s.active, s.state.lengths, out=s.poll_pair)
 
     def _ar_forward(self, s: Slot, kv_len: int, params, generator) -> None:
@@ -401,11 +408,23 @@ class Decoder:
 
     def _verify(self, s: Slot, kv_len: int, params) -> None:
         block = torch.cat([s.token[:, None], s.drafts], dim=1)  # (Nb, B) = [anchor, d_1 .. d_P]
-        logits = self.model(block, s.state, taps_out=s.ctx.taps, kv_len=kv_len).logits  # taps -> context buffer
+        written = []
+
+        def write_context(taps):
+            # the drafter's context K/V of all B positions need only the taps, not the acceptance (the commit
+            # advances the lengths): on a side stream from the last tapped layer on, beside the target's
+            # remaining layers and LM head (at batch 1 both chains are latency-bound small kernels)
+            self.side.fork(lambda: self.drafter.write_context(s.ctx, taps))
+            written.append(True)
+
+        logits = self.model(block, s.state, taps_out=s.ctx.taps, kv_len=kv_len, on_taps=write_context).logits
+        if not written:
+            raise DFlash2Error("the target wrote no taps: the drafter's context needs them (set_taps)")
         if params.greedy:
             s.argmax.copy_(logits.argmax(-1))
         else:
             s.probs = s.keep("p", warp_probs(logits, params))
+        self.side.join()  # before the phase ends: a captured graph must join every fork
 
     def _accept(self, s: Slot, params, generator) -> None:
         if params.greedy:  # the same bookkeeping as below, in place (kernels/accept.py: one launch on CUDA)

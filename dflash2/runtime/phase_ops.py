@@ -12,8 +12,8 @@ q/k norm + RoPE + cache writes, the drafter's pre-convs and its post-convs with 
 attention, the GDN verify, its gated output norm, the deferred GDN commit, the T=0 accept's bookkeeping, the T>0
 accept) run their plain twins here; they count as the launches they are on CUDA (:data:`FUSED`), unless ``--raw``.
 Ops inside a drafter or target layer are also attributed to that layer (``draft`` per drafter layer,
-``verify`` per target layer kind), and ``commit`` is split into the target's part and the drafter
-context append.
+``verify`` per target layer kind, and the drafter's context K/V of the block, written during the verify:
+``drafter context``).
 
 Shapes (``--shape``): ``small`` = the embedded GPU target recipe (configs/target/small.yaml: 12-layer
 Qwen3.5 hybrid, 9 GDN + 3 attention, hidden 768, vocab 8192) with a 3-layer DFlash2 drafter (4 heads /
@@ -285,7 +285,7 @@ def _patched(counter: OpCounter, target, drafter, raw: bool):
         return run
 
     wrap(drafter, "_layer", drafter_layer)
-    wrap(drafter, "append", around(lambda: counter.scope("drafter append")))
+    wrap(drafter, "write_context", around(lambda: counter.scope("drafter context")))  # verify or prefill
     try:
         yield
     finally:

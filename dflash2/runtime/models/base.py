@@ -129,14 +129,18 @@ class RuntimeCausalLM(nn.Module):
             return taps_out
         return like.new_empty(N, T, len(self.target_layer_ids) * self.hidden_size)
 
-    def _tap(self, taps: torch.Tensor | None, layer: int, h: torch.Tensor, delta: torch.Tensor) -> None:
-        """Write layer ``layer``'s output h + delta (N, T, d) into its slice of taps, if it is tapped.
+    def _tap(self, taps: torch.Tensor | None, layer: int, h: torch.Tensor, delta: torch.Tensor, on_taps=None) -> None:
+        """Write layer ``layer``'s output h + delta (N, T, d) into its slice of taps, if it is tapped; after the
+        last tapped layer, ``on_taps(taps)`` (the forward's argument: work that needs only the taps may start
+        there, beside the layers still to run).
 
         Layers return (h, delta) with the last residual add left to the next norm (fused there);
         a tapped layer's output is materialised here, rounded as the eager add."""
         if taps is not None and layer in self.target_layer_ids:
             j = self.target_layer_ids.index(layer)
             torch.add(h, delta, out=taps[..., j * self.hidden_size : (j + 1) * self.hidden_size])
+            if on_taps is not None and layer == max(self.target_layer_ids):
+                on_taps(taps)
 
     def fuse_projections(self) -> RuntimeCausalLM:
         """One GEMV per fused group (q|k|v, gate|up, GDN in_proj_*): see ``layers.fuse_linears``."""

@@ -99,6 +99,7 @@ class Qwen3(RuntimeCausalLM):
         logits_index: torch.Tensor | None = None,
         kv_len: int | None = None,
         taps: bool = True,
+        on_taps=None,
     ) -> ModelOutput:
         """tokens (N, T) at positions state.lengths + 0..T-1; writes K/V there, commits nothing.
 
@@ -106,6 +107,8 @@ class Qwen3(RuntimeCausalLM):
         (N,) long, one position per row whose logits alone are computed (e.g. each row's last
         prompt token at prefill); kv_len: see :meth:`DecodeState.step_meta`; taps=False: no taps at all
         (output ``taps`` None), e.g. a plain AR step, which must not pay for the drafter's features.
+        on_taps: optional callable, given the taps (N, T, K·d) once the last tapped layer has written them,
+        before the layers after it run (never called without taps).
         """
         N, T = tokens.shape
         meta = state.step_meta(T, kv_len)
@@ -114,5 +117,5 @@ class Qwen3(RuntimeCausalLM):
         taps = self._tap_buffer(N, T, taps_out, h) if taps else None
         for i, layer in enumerate(self.layers):
             h, delta = layer(h, delta, rope, state, i, meta)
-            self._tap(taps, i, h, delta)
+            self._tap(taps, i, h, delta, on_taps)
         return ModelOutput(self._logits(h, delta, logits_index), taps)

@@ -174,6 +174,7 @@ class Qwen3_5(RuntimeCausalLM):
         logits_index: torch.Tensor | None = None,
         kv_len: int | None = None,
         taps: bool = True,
+        on_taps=None,
     ) -> ModelOutput:
         """tokens (N, T) at positions state.lengths + 0..T-1; nothing is committed (see ``state.commit``).
 
@@ -186,5 +187,5 @@ class Qwen3_5(RuntimeCausalLM):
         taps = self._tap_buffer(N, T, taps_out, h) if taps else None
         for i, layer in enumerate(self.layers):
             h, delta = layer(h, delta, rope, state, self._slots[i], meta)
-            self._tap(taps, i, h, delta)
+            self._tap(taps, i, h, delta, on_taps)
         return ModelOutput(self._logits(h, delta, logits_index), taps)
