@@ -127,9 +127,12 @@ def test_gdn_verify_matches_hf_functions():
     hf_conv = torch.cat([torch.zeros(N, C, 1), conv0], dim=-1)
     y = hf.causal_conv1d_update(x.transpose(1, 2), hf_conv, w.squeeze(1), None, "silu").transpose(1, 2)
     q, k, v = y.split([HK * DK, HK * DK, H * DV], dim=-1)
+    # value head h reads key head h // (H / HK); repeated here as the HF model does before the call (older
+    # transformers, e.g. 5.17 on the GPU image, take H key heads; newer ones also take HK)
+    q, k = (t.reshape(N, T, HK, DK).repeat_interleave(H // HK, dim=2) for t in (q, k))
     o_hf, rec_hf = hf.torch_recurrent_gated_delta_rule(
-        q.reshape(N, T, HK, DK),
-        k.reshape(N, T, HK, DK),
+        q,
+        k,
         v.reshape(N, T, H, DV),
         g=decay,
         beta=beta,

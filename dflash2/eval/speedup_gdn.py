@@ -156,7 +156,13 @@ def layer_cost(target, mode: str, N: int, T: int, *, iters: int = 50, kernel_opt
         warmup=3 if cuda else 0,
         kernel_options=kernel_options,
     )
-    if row.spec_bytes_per_request != out["spec_bytes_per_request"]:  # the formula must be what the logs hold
+    # the formula must be what the logs hold, at the block_v the state ran (GDNState picks one on CUDA: its
+    # pending counts are one int32 per recurrence program)
+    bv = (row.resolved_options or {}).get("block_v")
+    out["spec_bytes_per_request"] = spec_bytes(
+        shape, T, layout, x_itemsize=itemsize, deferred=mode == "replay", block_v=bv
+    )
+    if row.spec_bytes_per_request != out["spec_bytes_per_request"]:
         raise RuntimeError(f"{mode}: logs held {row.spec_bytes_per_request} B/request, shapes say {out}")
     out.update(verify_us=row.verify_us, commit_us=row.commit_us, total_us=row.total_us, timed=True)
     if cuda:
