@@ -53,6 +53,7 @@ def _selector_walk_kernel(
     R,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     dt = pcb_ptr.dtype.element_ty
@@ -66,7 +67,10 @@ def _selector_walk_kernel(
     # choice, in registers, instead of being read from memory once the choice is known. The walk took
     # 18 µs for 7 positions on an H200 (one program); whether these loads now overlap the previous
     # position's reductions is the compiler's choice, not measured yet: profile before claiming it.
-    for pos in range(P):
+    # software-pipelined (tl.range): a position's loads (its hidden projection, candidates, their codebook rows,
+    # unary scores) do not depend on the previous choice, so the next STAGES-1 positions' loads are issued ahead
+    # while this one reduces and chooses; the arithmetic is unchanged (STAGES 1: one position at a time)
+    for pos in tl.range(0, P, num_stages=STAGES):
         row = n * P + pos
         h = tl.load(hh_ptr + row * R + rr, mask=rm, other=0.0).to(tl.float32)
         ids = tl.load(cand_ptr + row * K + kk, mask=km, other=0)
@@ -85,8 +89,15 @@ def _selector_walk_kernel(
         pred = tl.sum(tl.where((kk == choice)[:, None], pred_rows, 0.0), axis=0)
 
 
-def selector_walk(hh, cand_ids, unary, anchor, pred_codebook, succ_codebook) -> torch.Tensor:
-    """tokens (N, P) long: the greedy walk; the Triton kernel on CUDA (and in ``on_cpu()``), else the twin."""
+# software-pipeline stages of the walks' position loop (kernels/selector.py, selector_sample.py); 1 = none
+WALK_STAGES = 3
+
+
+def selector_walk(
+    hh, cand_ids, unary, anchor, pred_codebook, succ_codebook, *, stages: int = WALK_STAGES
+) -> torch.Tensor:
+    """tokens (N, P) long: the greedy walk; the Triton kernel on CUDA (and in ``on_cpu()``), else the twin.
+    stages: the kernel's pipeline depth over positions (the same arithmetic at any depth)."""
     fits = (
         hh.dtype == pred_codebook.dtype == succ_codebook.dtype
         and unary.dtype == torch.float32
@@ -113,5 +124,6 @@ def selector_walk(hh, cand_ids, unary, anchor, pred_codebook, succ_codebook) -> 
         BLOCK_K=max(triton_next_pow2(K), 16),
         BLOCK_R=block_r,
         num_warps=4 if block_r >= 256 else 1,
+        STAGES=stages,
     )
     return out

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from dflash2.runtime.kernels import jit, use_triton
 from dflash2.runtime.kernels.norm import triton_next_pow2
+from dflash2.runtime.kernels.selector import WALK_STAGES
 
 
 def selector_sample_walk_ref(hh, cand_ids, unary, anchor, pred_codebook, succ_codebook, temperature, races):
@@ -68,6 +69,7 @@ def _selector_sample_kernel(
     R,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     dt = pcb_ptr.dtype.element_ty
@@ -76,7 +78,10 @@ def _selector_sample_kernel(
     km, rm = kk < K, rr < R
     anchor = tl.load(anchor_ptr + n)
     pred = tl.load(pcb_ptr + anchor * R + rr, mask=rm, other=0.0).to(tl.float32)
-    for pos in range(P):
+    # software-pipelined (tl.range): a position's loads (its hidden projection, candidates, their codebook rows,
+    # unary scores) do not depend on the previous choice, so the next STAGES-1 positions' loads are issued ahead
+    # while this one reduces and chooses; the arithmetic is unchanged (STAGES 1: one position at a time)
+    for pos in tl.range(0, P, num_stages=STAGES):
         row = n * P + pos
         h = tl.load(hh_ptr + row * R + rr, mask=rm, other=0.0).to(tl.float32)
         ids = tl.load(cand_ptr + row * K + kk, mask=km, other=0)
@@ -98,9 +103,11 @@ def _selector_sample_kernel(
         pred = tl.sum(tl.where((kk == choice)[:, None], pred_rows, 0.0), axis=0)
 
 
-def selector_sample_walk(hh, cand_ids, unary, anchor, pred_codebook, succ_codebook, temperature, races):
+def selector_sample_walk(
+    hh, cand_ids, unary, anchor, pred_codebook, succ_codebook, temperature, races, *, stages: int = WALK_STAGES
+):
     """tokens (N, P) long, probs (N, P, k) fp32: the sampled walk; the Triton kernel on CUDA (and in
-    ``on_cpu()``), else the twin. Arguments: see :func:`selector_sample_walk_ref`."""
+    ``on_cpu()``), else the twin. Arguments: see :func:`selector_sample_walk_ref`; stages: as selector_walk's."""
     fits = (
         hh.dtype == pred_codebook.dtype == succ_codebook.dtype
         and unary.dtype == races.dtype == torch.float32
@@ -132,5 +139,6 @@ def selector_sample_walk(hh, cand_ids, unary, anchor, pred_codebook, succ_codebo
         BLOCK_K=max(triton_next_pow2(K), 16),
         BLOCK_R=block_r,
         num_warps=4 if block_r >= 256 else 1,
+        STAGES=stages,
     )
     return out, probs
