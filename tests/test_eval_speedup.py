@@ -6,6 +6,7 @@ benchmark page is built from, and that speculative output equals the runtime's A
 (the lossless flag), and how a divergence would be reported.
 """
 
+import gc
 import importlib
 import json
 import math
@@ -194,11 +195,13 @@ def test_bucketed_prefill_is_passed_on_and_recorded(tmp_path, monkeypatch, capsy
     assert res["prefill_graph_tokens"] == 16 and made and all(kw["prefill_graph_tokens"] == 16 for kw in made)
     assert res["gc_pause"] is True and all(kw["gc_pause"] is True for kw in made)
     assert res["overlap_context"] is False and all(kw["overlap_context"] is False for kw in made)
+    assert res["gc_frozen_objects"] > 1000 and gc.get_freeze_count() == 0  # frozen for the run, thawed after
     md = (out / "results.md").read_text()
     assert res["batches"]["1"]["prefill_widths"] == [16]  # the bucketed prefill really ran, at width 16
     assert "Prefill: padded to a bucket for prompts ≤ 16 tokens, a CUDA graph on a GPU (longer: eager); " in md
     assert "bucket widths used: 16." in md and "Decode loops with Python's garbage collector paused." in md
     assert "The drafter's context K/V written after the verify's target layers, not beside them." in md
+    assert "Heap frozen after loading (" in md
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("batch 1"))
     assert "; outside steps AR " in line and " ms per generation" in line
 

@@ -67,6 +67,11 @@ def markdown(results: dict) -> str:
         f"Prefill: {_prefill(results)}."
         + (" Decode loops with Python's garbage collector paused." if results.get("gc_pause") else "")
         + (
+            f" Heap frozen after loading ({results['gc_frozen_objects']:,} objects out of the collector's reach)."
+            if results.get("gc_frozen_objects")
+            else ""
+        )
+        + (
             " The drafter's context K/V written after the verify's target layers, not beside them."
             if results.get("overlap_context") is False
             else ""
