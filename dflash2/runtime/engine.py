@@ -196,10 +196,11 @@ def heap_frozen(freeze: bool = True):
     ``gc.unfreeze()``. Yields the number of frozen objects (0 when off).
 
     Why (a harness setting, like a server freezing its heap after start-up): with the models, transformers
-    and Hydra loaded, a full collection walks every tracked object. On an H200 a decode loop's steps of
-    ~0.5 ms had single steps of 4–256 ms, and one run whose paused collection landed after its loop lost
-    ~0.3 s of wall time (docs/BENCHMARKS.md, stop 17). Frozen objects are never collected: freeze after
-    loading, not around code that makes garbage cycles to be freed."""
+    and Hydra loaded, a full collection walks every tracked object. On an H200 decode loops of ~0.5 ms
+    steps had single steps of 4–256 ms with the collector on and none over 0.51 ms with it paused, where one
+    run lost ~0.3 s outside its steps instead (docs/BENCHMARKS.md, stop 17): collections are the suspect,
+    not yet proven. Frozen objects are never collected: freeze after loading, not around code that makes
+    garbage cycles to be freed."""
     if not freeze:
         yield 0
         return
