@@ -200,7 +200,7 @@ def test_bucketed_prefill_is_passed_on_and_recorded(tmp_path, monkeypatch, capsy
     assert res["batches"]["1"]["prefill_widths"] == [16]  # the bucketed prefill really ran, at width 16
     assert "Prefill: padded to a bucket for prompts ≤ 16 tokens, a CUDA graph on a GPU (longer: eager); " in md
     assert "bucket widths used: 16." in md and "Decode loops with Python's garbage collector paused." in md
-    assert "The drafter's context K/V written after the verify's target layers, not beside them." in md
+    assert "The drafter's context K/V written in line after the last tapped target layer, not beside the rest." in md
     assert "Heap frozen after loading (" in md
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("batch 1"))
     assert "; outside steps AR " in line and " ms per generation" in line

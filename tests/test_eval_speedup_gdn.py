@@ -98,6 +98,8 @@ def test_modes_are_lossless_and_agree_with_each_other(narrow_hybrid, tmp_path):
         assert cost["timed"] and cost["total_us"] == pytest.approx(cost["verify_us"] + cost["commit_us"])
         # logs as replay's; the deferred commit (replay mode) adds its counts and stash
         assert cost["spec_bytes_per_request"] == spec_bytes(shape, B, "replay", x_itemsize=4, deferred=mode == "replay")
+        # the options the states ran are recorded (on the CPU nothing is resolved: none given, none picked)
+        assert cost["kernel_options_ran"] == {} and sub["gdn_kernel_options_ran"] == {"2": {}}
 
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["batches"]["2"]["other_gdn_modes"]["replay"]["lossless"] is True

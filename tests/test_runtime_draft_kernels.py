@@ -238,7 +238,8 @@ def test_selector_walk(interpret, dtype):
         want = selector_walk_ref(hh, cand_ids, unary, anchor, pcb, scb)
         assert got.dtype == torch.long and got.shape == (N, P)
         assert torch.equal(got, want)
-        # the position loop's pipeline depth changes when loads are issued, not the arithmetic
+        # the position loop's pipeline depth changes when loads are issued, not the arithmetic (meaningful on a
+        # GPU: the interpreter ignores num_stages)
         assert torch.equal(selector_walk(hh, cand_ids, unary, anchor, pcb, scb, stages=1), got)
 
 

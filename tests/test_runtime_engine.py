@@ -279,3 +279,24 @@ def test_decode_loop_pauses_the_garbage_collector(runtimes):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_heap_frozen_freezes_inside_and_leaves_a_callers_freeze_alone():
+    import gc
+
+    from dflash2.runtime.engine import heap_frozen
+
+    assert gc.get_freeze_count() == 0
+    with heap_frozen() as frozen:
+        assert frozen > 1000 and gc.get_freeze_count() > 1000  # (objects dying inside leave the count)
+    assert gc.get_freeze_count() == 0
+    with heap_frozen(False) as frozen:
+        assert frozen == 0 and gc.get_freeze_count() == 0
+    gc.freeze()  # a caller's own freeze survives the block
+    try:
+        mine = gc.get_freeze_count()
+        with heap_frozen() as frozen:
+            assert frozen == 0 and gc.get_freeze_count() == mine
+        assert gc.get_freeze_count() == mine
+    finally:
+        gc.unfreeze()

@@ -247,3 +247,13 @@ def test_a_cuda_state_picks_its_block_v_unless_given():
     given = GDNState(1, 1, device="cuda", mode="replay", kernel_options={"block_v": 8}, **kw)
     assert given.kernel_options == {"block_v": 8}
     assert GDNState(1, 1, device="cuda", mode="reference", **kw).kernel_options == {}
+
+
+@pytest.mark.cuda
+def test_the_chunked_recurrence_keeps_its_own_tile():
+    """A narrowed block_v must not narrow the chunked recurrence's tile (its chunk_block_v defaults to block_v)."""
+    kw = dict(
+        conv_dim=C, conv_kernel=K, num_k_heads=HK, num_v_heads=H, head_k_dim=DK, head_v_dim=DV, dtype=torch.float32
+    )
+    s = GDNState(1, 1, device="cuda", mode="replay", kernel_options={"chunked": True}, **kw)
+    assert s.kernel_options == {"chunked": True, "block_v": 4, "chunk_block_v": 8}  # d_v 8: its power of two

@@ -525,7 +525,8 @@ def run_speedup(
     64 on CUDA and 0 on the CPU), recorded in the results as resolved. gc_pause: every Decoder's (its decode loops with
     Python's cyclic garbage collector off; the deferred collection lands after the loop, in the wall time:
     compare tokens/s and outside_steps_ms, not only the steps), recorded. overlap_context: every Decoder's (the
-    drafter's context K/V written on a side stream beside the verify's last target layers; False: after them),
+    drafter's context K/V written on a side stream beside the verify's last target layers; False: in line before
+    them, right after the last tapped layer),
     recorded.
     hf_check_tokens: 0 = off; n > 0 = HF greedy ``generate`` of every prompt once (n new tokens per row, untimed,
     in batches of max(batch_sizes) rows, :func:`hf_greedy`), compared at each batch size with the headline
@@ -618,6 +619,12 @@ def run_speedup(
                     sub["gdn_layer"] = speedup_gdn.layer_cost(
                         target, mode, N, B, iters=gdn_bench_iters, kernel_options=gdn_kernel_options
                     )
+                    # what the engine's GDN states ran, per slot bucket (GDNState resolves e.g. block_v on CUDA)
+                    sub["gdn_kernel_options_ran"] = {
+                        str(n): dict(s.state.gdn.kernel_options)
+                        for n, s in sorted(dec.slots.items())
+                        if s.state.gdn is not None
+                    }
                 # the bucket widths the prefills actually ran at ([]: all eager), not just the setting
                 sub["prefill_widths"] = prefill_widths(dec)
                 if i == 0:

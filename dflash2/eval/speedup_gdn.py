@@ -165,6 +165,7 @@ def layer_cost(target, mode: str, N: int, T: int, *, iters: int = 50, kernel_opt
     if row.spec_bytes_per_request != out["spec_bytes_per_request"]:
         raise RuntimeError(f"{mode}: logs held {row.spec_bytes_per_request} B/request, shapes say {out}")
     out.update(verify_us=row.verify_us, commit_us=row.commit_us, total_us=row.total_us, timed=True)
+    out["kernel_options_ran"] = dict(row.resolved_options or {})  # the bench state's, resolved as the engine's
     if cuda:
         torch.cuda.empty_cache()  # native's T states per row are large; the next mode starts clean
     return out

@@ -72,7 +72,7 @@ def markdown(results: dict) -> str:
             else ""
         )
         + (
-            " The drafter's context K/V written after the verify's target layers, not beside them."
+            " The drafter's context K/V written in line after the last tapped target layer, not beside the rest."
             if results.get("overlap_context") is False
             else ""
         ),

@@ -324,7 +324,8 @@ def profile_kernels(
 # and the fold are what the tile width and warps change; the prep's warps are its own knob
 SWEEP = dict(block_v=(4, 8, 16, 32, 64), num_warps=(1, 2, 4, 8))
 # ReplaySSM's chunked recurrence has its own tile and warps (num_warps / block_v stay the sequential
-# walk's, which one-token verifies run, and the pending counts' layout: block_v is left at its default)
+# walk's, which one-token verifies run, and the pending counts' layout: block_v is left to GDNState, which on
+# CUDA may narrow it at a small batch; chunk_block_v is always given here, a multiple of any block_v it picks)
 CHUNK_SWEEP = dict(chunk_block_v=(16, 32, 64, 128), chunk_warps=(1, 2, 4, 8), chunk_block_k=(16, 32))
 PREP_SWEEP = (1, 2, 4, 8)  # the prep kernel's warps, searched after the tile (it does not depend on it)
 STAGES_SWEEP = (2, 3, 4)  # the recurrence's pipelined loops (0, the hand prefetch, is the grid's own)

@@ -193,15 +193,16 @@ def collector_paused(pause: bool = True):
 def heap_frozen(freeze: bool = True):
     """Inside (when ``freeze``): one full collection, then every object the cyclic GC tracks moved to its
     permanent generation (``gc.freeze``), so later collections walk only what is made afterwards; after:
-    ``gc.unfreeze()``. Yields the number of frozen objects (0 when off).
+    ``gc.unfreeze()``. Yields the number of frozen objects (0 when off, or when the caller had frozen objects
+    already: their heap is left as it is).
 
     Why (a harness setting, like a server freezing its heap after start-up): with the models, transformers
     and Hydra loaded, a full collection walks every tracked object. On an H200 decode loops of ~0.5 ms
-    steps had single steps of 4–256 ms with the collector on and none over 0.51 ms with it paused, where one
-    run lost ~0.3 s outside its steps instead (docs/BENCHMARKS.md, stop 17): collections are the suspect,
-    not yet proven. Frozen objects are never collected: freeze after loading, not around code that makes
-    garbage cycles to be freed."""
-    if not freeze:
+    steps had single steps of 4–256 ms with the collector on, and none over 0.51 ms (AR) / 0.82 ms (spec)
+    with it paused, where one run lost ~0.3 s outside its steps instead (docs/BENCHMARKS.md, stop 17):
+    collections are the suspect, not yet proven. Frozen objects are never collected: freeze after loading,
+    not around code that makes garbage cycles to be freed."""
+    if not freeze or gc.get_freeze_count():  # a caller's frozen heap is left alone (unfreeze would thaw it)
         yield 0
         return
     gc.collect()
@@ -248,7 +249,8 @@ class Decoder:
     and the collection it defers runs after the loop, inside the generation's wall time.
     overlap_context: a speculative verify writes the drafter's context K/V of its block on a side stream as
     soon as the target's last tapped layer has run, beside the remaining layers (:class:`SideStream`, joined
-    inside the verify phase); False = in line after them. The same values either way.
+    inside the verify phase); False = in line, right after that layer, before the remaining ones. The same
+    values either way.
     Attributes set by callers: ``timer`` (a :class:`~dflash2.runtime.graphs.PhaseTimer` or None) and
     ``on_step`` (called with the slot after each step: progress bars, tests).
     """
@@ -285,7 +287,7 @@ class Decoder:
             raise DFlash2Error(f"prefill_graph_tokens={prefill_graph_tokens} must be ≥ 0 (0 = eager prefill)")
         self.prefill_graph_tokens = int(prefill_graph_tokens)
         self.gc_pause = bool(gc_pause)
-        # the drafter's context K/V beside the verify's last target layers (_verify); False: in line, after them
+        # the drafter's context K/V beside the verify's last target layers (_verify); False: in line, before them
         self.side = SideStream(self.device, enabled=bool(overlap_context))
         self.kv_bucket = GRAPH_KV_BUCKET if self.graphs else KV_BUCKET
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
@@ -436,8 +438,13 @@ class Decoder:
         def write_context(taps):
             # the drafter's context K/V of all B positions need only the taps, not the acceptance (the commit
             # advances the lengths): on a side stream from the last tapped layer on, beside the target's
-            # remaining layers and LM head (at batch 1 both chains are latency-bound small kernels)
-            self.side.fork(lambda: self.drafter.write_context(s.ctx, taps))
+            # remaining layers and LM head (at batch 1 both chains are latency-bound small kernels). Only from
+            # the context's own taps buffer: a buffer the forward allocated (a context without one) would be a
+            # main-stream temporary, freed while the side stream may still read it, so that runs in line
+            if taps is s.ctx.taps:
+                self.side.fork(lambda: self.drafter.write_context(s.ctx, taps))
+            else:
+                self.drafter.write_context(s.ctx, taps)
             written.append(True)
 
         logits = self.model(block, s.state, taps_out=s.ctx.taps, kv_len=kv_len, on_taps=write_context).logits
@@ -601,7 +608,7 @@ def generate_spec(
     """Lossless speculative decoding of ``model`` with ``drafter`` (a one-off :class:`Decoder`).
 
     drafter: a :class:`~dflash2.runtime.drafter.RuntimeDrafter` (or any object with its
-    ``block_size``, ``new_context``, ``append`` and ``propose``), or a ``DFlashDrafter`` / drafter
+    ``block_size``, ``new_context``, ``append``, ``write_context`` and ``propose``), or a ``DFlashDrafter`` / drafter
     folder, wrapped in one. Returns a ``dflash2.decoding.SpecResult``; see :meth:`Decoder.generate_spec`.
     """
     if not hasattr(drafter, "propose"):

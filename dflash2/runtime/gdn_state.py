@@ -54,7 +54,14 @@ from __future__ import annotations
 
 import torch
 
-from dflash2.runtime.kernels.gdn_log import GDNLog, PendingFold, new_log, occupancy_block_v, recur_programs
+from dflash2.runtime.kernels.gdn_log import (
+    GDNLog,
+    PendingFold,
+    default_block_v,
+    new_log,
+    occupancy_block_v,
+    recur_programs,
+)
 from dflash2.runtime.kernels.gdn_replay.reference import gdn_replay
 from dflash2.runtime.kernels.gdn_verify.reference import gdn_gates, gdn_verify
 
@@ -146,6 +153,10 @@ class GDNState:
             # at a small batch: narrower value slices, so that the recurrence's programs fill the SMs
             sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
             self.kernel_options["block_v"] = occupancy_block_v(batch_size, num_v_heads, head_v_dim, sms)
+            if self.kernel_options.get("chunked") and "chunk_block_v" not in self.kernel_options:
+                # the chunked recurrence keeps its own tile (its chunk_block_v defaults to block_v, and a narrow
+                # one pads each program's 16-wide tile and repeats the per-program work the wide tile amortises)
+                self.kernel_options["chunk_block_v"] = default_block_v(head_v_dim)
         self.logs: list[GDNLog | None] = [None] * num_layers
         self._static: dict[int, list[GDNLog]] = {}  # T -> per-layer logs at fixed addresses (reserve)
         self.defer = bool(defer)

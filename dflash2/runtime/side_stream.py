@@ -26,12 +26,12 @@ class SideStream:
         if self.stream is None:
             fn()
             return
-        self.stream.wait_stream(torch.cuda.current_stream())
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         with torch.cuda.stream(self.stream):
             fn()
         self.pending = True
 
     def join(self) -> None:
         if self.pending:
-            torch.cuda.current_stream().wait_stream(self.stream)
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
             self.pending = False

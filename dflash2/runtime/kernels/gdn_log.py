@@ -96,8 +96,8 @@ def occupancy_block_v(batch: int, num_v_heads: int, head_v_dim: int, programs_wa
     programs (batch · H · ceil(d_v / block_v); GDNState passes the GPU's SM count). Why: at a small batch the
     recurrence is a latency chain per program, and a narrower value slice shortens each program's per-token
     work while more SMs share the layer. H200, block 8, the embedded small target's GDN shape (8 value heads,
-    d_v 96) at batch 1: 48 programs at block_v 16, 13.8 µs per layer; 192 at block_v 4, 11.2 µs. The 9B
-    shape already has 256 programs at batch 1 and keeps 16 (docs/BENCHMARKS.md)."""
+    d_v 96) at batch 1, verify + commit: 48 programs at block_v 16, 13.2 µs per layer; 192 at block_v 4,
+    11.2 µs. The 9B shape already has 256 programs at batch 1 and keeps 16 (docs/BENCHMARKS.md, stop 17)."""
     bv = default_block_v(head_v_dim)
     while bv > 4 and batch * num_v_heads * -(-head_v_dim // bv) < programs_wanted:
         bv //= 2
