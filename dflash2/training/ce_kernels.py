@@ -10,10 +10,11 @@ serving scales (output multiplier 1, no softcap: the served logits are float(r))
     backward  g (C, V) head dtype = ((exp(float(r) − lse) − onehot(y)) · grad_ce) rounded to the head's dtype,
               then g @ W (the matmul stays torch's)
 
-The twins (``ce_forward_ref``, ``ce_backward_ref``) are the chunked path's current arithmetic: the forward is
-four passes over r (argmax, the label's gather, the row max and the promoted exp-sum of
-``logsumexp_of_float``), the backward an fp32 (C, V) temporary for ``r − lse`` (exp'd and scattered in place)
-and one rounded product into the head's dtype: three (C, V) passes and ~20 bytes moved per logit.
+The twins (``ce_forward_ref``, ``ce_backward_ref``) are the chunked path's torch arithmetic: the forward is
+three passes over r (argmax, the row max and the promoted exp-sum of ``logsumexp_of_float``) and a gather,
+the backward an fp32 (C, V) temporary for ``r − lse`` (exp'd and scattered in place) and one rounded product
+into the head's dtype: three (C, V) passes and ~20 bytes moved per logit. The top-k (below) reads r once
+more either way.
 
 Why: at the Qwen3-8B shape a chunk is C · V = 1024 × 151,936 = 156 M logits (311 MB in bf16, 622 MB per fp32
 temporary); those passes over it are the elementwise and reduce kernels that stand beside the head's matmuls
@@ -43,10 +44,11 @@ few rows, not C = 1024.
 
 Numerics (tests/test_chunked_head_kernels.py): argmax, label_raw and ce's label term exactly; lse (and ce)
 to fp32 rounding, not bit for bit: the exp-sum is summed in another order (tiles, then splits, each
-rescaled once) and, on NVIDIA GPUs, Triton's fp32 exp is the ex2.approx instruction (2 ulp) where torch
-uses an accurate expf. The same exponentials make g differ from the twin's by an ulp of fp32 before the
-rounding, so a bf16 (fp16) g can differ by one unit in the last place where that rounding flips; an fp32 g
-by a few fp32 ulps.
+rescaled once) and the exponentials are not torch's: numpy's in the interpreter and, on NVIDIA GPUs, Triton
+lowers the fp32 exp to the approximate ex2 instruction (~2 ulp) where torch uses an accurate expf. The same
+exponentials make g differ from the twin's by a few fp32 ulps before the rounding, so a bf16 (fp16) g can
+differ by one unit in the last place where that rounding flips; an fp32 g by a few fp32 ulps. The bf16
+rounding is done in integer ops (``_rtne_bf16``): the interpreter's own cast truncates.
 
 Shapes: C rows (positions of a chunk), V vocabulary (any, not a multiple of ``block``), r (C, V) contiguous,
 labels (C,) int64 in [0, V) (not checked: a label outside gives a NaN label_raw and ce, and no -1 in g),
