@@ -38,9 +38,12 @@ def test_a_row_says_which_optimiser_stepped_and_set_changes_it(monkeypatch):
     assert default["rows"][0]["optimizer"] == "for_loop"  # auto on the CPU: torch's default
     assert default["settings"]["pinned_batches"] is False and default["settings"]["drafter_overrides"] == []
     assert moved and moved[0] == ["anchor_keys", "input_ids", "loss_mask", "target_taps"]  # the module's hook
-    foreach = bt.run([*ONE_ROW, "--set", "optimizer_impl=foreach"])
+    assert default["settings"]["loss_kernels"] is False and default["rows"][0]["loss_kernels"] is False
+    foreach = bt.run([*ONE_ROW, "--set", "optimizer_impl=foreach", "--set", "loss_kernels=true"])
     assert foreach["rows"][0]["optimizer"] == "foreach"
-    assert foreach["settings"]["drafter_overrides"] == ["optimizer_impl=foreach"]
+    assert foreach["settings"]["drafter_overrides"] == ["optimizer_impl=foreach", "loss_kernels=true"]
+    # drafter.loss_kernels asked for; on CPU tensors (no interpreter context) the row says the torch passes ran
+    assert foreach["settings"]["loss_kernels"] is True and foreach["rows"][0]["loss_kernels"] is False
 
 
 @pytest.mark.cuda
@@ -49,5 +52,7 @@ def test_on_cuda_the_batches_are_pinned_and_the_optimiser_fused():
     results = bt.run([*argv, "--warmup", "1", "--steps", "1", "--repeats", "1"])
     assert results["settings"]["pinned_batches"] is True
     assert results["rows"][0]["status"] == "ok" and results["rows"][0]["optimizer"] == "fused"
+    kernels = bt.run([*argv, "--warmup", "1", "--steps", "1", "--repeats", "1", "--set", "loss_kernels=true"])
+    assert kernels["rows"][0]["status"] == "ok" and kernels["rows"][0]["loss_kernels"] is True
     pageable = bt.run([*argv, "--warmup", "1", "--steps", "1", "--repeats", "1", "--pin-memory", "false"])
     assert pageable["settings"]["pinned_batches"] is False and pageable["rows"][0]["status"] == "ok"

@@ -199,6 +199,7 @@ def test_fast_dev_run_of_the_real_configs(tmp_path, micro_train_overrides, draft
         ("drafter.block_size=32", "block_size=32 is larger than data.response_tokens=24"),
         ("drafter.num_anchors=24", "num_anchors=24 but .* at most 23 anchor positions"),
         ("drafter.loss_chunk_positions=-3", "loss_chunk_positions=-3 must be an integer >= 0"),
+        ("drafter.loss_kernels=3", "loss_kernels=3 must be true or false"),
         ("drafter.attention=sparse", "attention='sparse' must be one of auto, flex, dense"),
         ("drafter.attention=flex", "attention=flex on the CPU: FlexAttention has no backward there"),
         (

@@ -26,7 +26,8 @@ CUDA by default; the row's ``optimizer`` says which) and the scheduler step. Not
 itself (its logging into the result collection, callbacks, progress bar) and the data loader (nor its
 pinning: a loader thread). ``--set KEY=VALUE`` overrides a key of the drafter config group as
 ``drafter.KEY=VALUE`` does for ``train.py`` (e.g. ``--set optimizer_impl=foreach`` for the previous
-optimiser).
+optimiser, ``--set loss_kernels=true`` for the chunked CE's Triton passes over its logits: a chunked row's
+``loss_kernels`` says whether they ran).
 
 Variants, one row each (``--attention``, ``--ce``, ``--features`` pick a subset):
 
@@ -78,6 +79,7 @@ from tqdm.auto import tqdm
 
 from dflash2.drafter.objective import row_anchor_generator, sample_anchors
 from dflash2.errors import DFlash2Error
+from dflash2.training.preflight import check_loss_kernels
 from dflash2.training.throughput_flops import StepFlops, step_flops
 from dflash2.training.throughput_report import (
     H200_BF16_DENSE_FLOPS,
@@ -148,6 +150,7 @@ def measure(bench: Bench, variant: Variant, a: argparse.Namespace, peak: float |
     total = a.warmup + a.repeats * a.steps + (1 if profile else 0)
     runner = StepRunner(bench, variant, total)
     runner_impl = runner.optimizer_impl  # fused | foreach | for_loop: what drafter.optimizer_impl resolved to
+    runner_kernels = runner.loss_kernels  # the chunked CE's Triton passes ran (drafter.loss_kernels)
     try:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -184,6 +187,7 @@ def measure(bench: Bench, variant: Variant, a: argparse.Namespace, peak: float |
         "features": variant.features,
         "status": "ok",
         "optimizer": runner_impl,
+        "loss_kernels": runner_kernels,
         "step_ms": {"median": med * 1e3, "min": min(samples) * 1e3, "max": max(samples) * 1e3},
         "step_ms_samples": [s * 1e3 for s in samples],
         "warmup_step_ms": [t * 1e3 for t in warm_times],
@@ -349,6 +353,7 @@ def run(argv: list[str] | None = None) -> dict:
             "target_dtype": str(bench.target.dtype).removeprefix("torch."),
             "taps": list(bench.target.target_layer_ids),
             "loss_chunk_positions": bench.chunk,
+            "loss_kernels": check_loss_kernels(bench.settings.get("loss_kernels")),
             "drafter_overrides": a.set or [],
             "pinned_batches": bench.pinned,
             "warmup": a.warmup,

@@ -22,10 +22,16 @@ it is kept to few passes without changing a value (tests/test_chunked_head_passe
 the arithmetic it replaced): without serving scales the served logits are float(raw), which is never
 stored (``logsumexp_of_float``; in backward ``raw - lse`` promotes to fp32 in the subtraction itself),
 and the last factor of the gradient is multiplied in while rounding to the head's dtype (``rounded_ops``).
+
+``fused=True`` (``drafter.loss_kernels``, off by default until timed on a GPU) runs those passes, without
+serving scales, as Triton kernels (``ce_kernels.py``): one read of the logits for lse, argmax and the label's
+logit in forward, and the gradient written over the recomputed logits in one pass in backward; values to
+fp32 rounding (tests/test_chunked_head_kernels.py). With serving scales it keeps the passes here.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +39,9 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from dflash2.drafter.rounded_ops import product_as
+
+log = logging.getLogger(__name__)
+_NOTED: set[str] = set()  # why fused=True fell back, each said once per process
 
 
 @dataclass(frozen=True)
@@ -74,18 +83,22 @@ def chunked_head_outputs(
     top_k: int = 0,
     multiplier: float = 1.0,
     softcap: float | None = None,
+    fused: bool = False,
 ) -> HeadOutputs:
     """``head_outputs_from_logits`` without the full logits.
 
     hidden (..., d) any float dtype (gradient flows back to it through ``ce``); weight (V, d) and bias (V,)
     or None: the frozen LM head (no gradient reaches them); labels (...) int64 in [0, V); chunk: positions
-    per chunk (>= 1); top_k >= 0; multiplier / softcap: the drafter's serving scales (§3.4).
+    per chunk (>= 1); top_k >= 0; multiplier / softcap: the drafter's serving scales (§3.4); fused: each
+    chunk's passes over its logits as Triton kernels (``ce_kernels.py``) where ``use_fused_passes`` allows
+    (no serving scales, tensors the kernels can run on), else the torch passes.
     Returns HeadOutputs with the leading shape (...) of hidden.
     """
     if chunk < 1:
         raise ValueError(f"chunk={chunk} must be >= 1 positions")
     lead = labels.shape
     dtype = head_compute_dtype(weight, hidden.device.type)
+    fused = use_fused_passes(fused, hidden, multiplier, softcap)
     outs = _ChunkedHeadCE.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight.detach(),
@@ -96,11 +109,43 @@ def chunked_head_outputs(
         float(multiplier),
         None if softcap is None else float(softcap),
         dtype,
+        fused,
     )
     ce, argmax, top_ids, top_raw, label_raw = outs
     return HeadOutputs(
         ce.view(lead), argmax.view(lead), top_ids.view(*lead, top_k), top_raw.view(*lead, top_k), label_raw.view(lead)
     )
+
+
+def use_fused_passes(fused: bool, hidden: torch.Tensor, multiplier: float, softcap: float | None) -> bool:
+    """Whether ``fused=True`` runs the Triton kernels: only without serving scales (multiplier 1, no softcap:
+    every config in configs/, drafter/*.yaml and experiment/*.yaml alike; a drafter with z-lab's cap of 20
+    keeps the torch passes) and where the kernels run (CUDA tensors, or CPU ones in
+    ``dflash2.runtime.kernels.on_cpu()`` under Triton's interpreter; not with DFLASH2_TRITON=0). A fallback
+    is logged once per process and reason."""
+    if not fused:
+        return False
+    if multiplier != 1.0 or softcap is not None:
+        _note_once(
+            f"drafter.loss_kernels: the drafter has serving scales (output_multiplier={multiplier}, "
+            f"final_logit_softcapping={softcap}); the chunked CE keeps its torch passes"
+        )
+        return False
+    from dflash2.runtime.kernels import use_triton
+
+    if not use_triton(hidden):
+        _note_once(
+            f"drafter.loss_kernels: the Triton kernels cannot run on {hidden.device.type} tensors here "
+            "(CUDA, or the interpreter in tests); the chunked CE keeps its torch passes"
+        )
+        return False
+    return True
+
+
+def _note_once(message: str) -> None:
+    if message not in _NOTED:
+        _NOTED.add(message)
+        log.info(message)
 
 
 def logsumexp_of_float(raw: torch.Tensor) -> torch.Tensor:
@@ -143,12 +188,15 @@ def _times(g: torch.Tensor, factors: list, dtype: torch.dtype) -> torch.Tensor:
 
 class _ChunkedHeadCE(torch.autograd.Function):
     """Inputs: hidden (M, d), weight (V, d), bias (V,) or None, labels (M,), chunk, top_k, multiplier,
-    softcap, dtype. Outputs: ce (M,) fp32, argmax (M,), top_ids (M, k), top_raw (M, k), label_raw (M,).
+    softcap, dtype, fused (the Triton passes: no serving scales, checked by the caller).
+    Outputs: ce (M,) fp32, argmax (M,), top_ids (M, k), top_raw (M, k), label_raw (M,).
     Each chunk's tensors are dropped before the next chunk's logits exist: one chunk's worth at a time."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk, top_k, multiplier, softcap, dtype):
+    def forward(ctx, hidden, weight, bias, labels, chunk, top_k, multiplier, softcap, dtype, fused):
         m = hidden.shape[0]
+        if fused:
+            from dflash2.training.ce_kernels import ce_forward
         # Autocast off inside: every chunk (here and in backward) computes in the dtype fixed by the caller.
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)  # one (V, d) copy at most, as autocast's own weight cast
@@ -163,9 +211,13 @@ class _ChunkedHeadCE(torch.autograd.Function):
                 e = min(s + chunk, m)
                 lab = labels[s:e, None]
                 raw = F.linear(hidden[s:e].to(dtype), w, b)  # (C, V) as lm_head(h.to(W.dtype))
-                argmax[s:e] = raw.argmax(-1)
                 if top_k:
                     top_raw[s:e], top_ids[s:e] = torch.topk(raw, top_k, dim=-1)
+                if fused:  # lse, ce, argmax and the label's logit in one read of raw
+                    ce_forward(raw, labels[s:e], out=(lse[s:e], ce[s:e], argmax[s:e], label_raw[s:e]))
+                    del raw
+                    continue
+                argmax[s:e] = raw.argmax(-1)
                 label_raw[s:e] = raw.gather(1, lab)[:, 0]
                 if multiplier == 1.0 and softcap is None:  # z = float(raw): never stored (logsumexp_of_float)
                     lse[s:e] = logsumexp_of_float(raw)
@@ -178,7 +230,7 @@ class _ChunkedHeadCE(torch.autograd.Function):
                 ce[s:e] = lse[s:e] - z.gather(1, lab)[:, 0]
                 del z
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
-        ctx.chunk, ctx.multiplier, ctx.softcap, ctx.dtype = chunk, multiplier, softcap, dtype
+        ctx.chunk, ctx.multiplier, ctx.softcap, ctx.dtype, ctx.fused = chunk, multiplier, softcap, dtype, fused
         ctx.mark_non_differentiable(argmax, top_ids, top_raw, label_raw)
         return ce, argmax, top_ids, top_raw, label_raw
 
@@ -189,12 +241,22 @@ class _ChunkedHeadCE(torch.autograd.Function):
         hidden, weight, bias, labels, lse = ctx.saved_tensors
         dtype, mult, cap = ctx.dtype, ctx.multiplier, ctx.softcap
         grad_h = torch.empty_like(hidden)
+        if ctx.fused:
+            from dflash2.training.ce_kernels import ce_backward
+
+            grad_ce = grad_ce.float().contiguous()  # e.g. an expanded scalar's gradient: a real (M,) tensor
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             b = None if bias is None else bias.to(dtype)
             for s in range(0, hidden.shape[0], ctx.chunk):
                 e = min(s + ctx.chunk, hidden.shape[0])
                 raw = F.linear(hidden[s:e].to(dtype), w, b)  # the forward's raw logits (C, V)
+                if ctx.fused:  # (softmax - onehot) · grad_ce, rounded to the head's dtype, written over raw
+                    g = ce_backward(raw, lse[s:e], labels[s:e], grad_ce[s:e], in_place=True)
+                    del raw
+                    grad_h[s:e] = (g @ w).to(hidden.dtype)
+                    del g
+                    continue
                 factors = [grad_ce[s:e, None]]  # what softmax(z) - onehot(y) is multiplied by, in order
                 if mult == 1.0 and cap is None:  # z - lse as float(raw) - lse, one pass: no fp32 copy of raw
                     g = raw.sub_(lse[s:e, None]) if raw.dtype == torch.float32 else torch.sub(raw, lse[s:e, None])
@@ -214,4 +276,4 @@ class _ChunkedHeadCE(torch.autograd.Function):
                 # Through raw = linear(h.to(dtype)): the matmul in the head's dtype, as autograd's would be.
                 grad_h[s:e] = (_times(g, factors, dtype) @ w).to(hidden.dtype)
                 del g, factors
-        return grad_h, None, None, None, None, None, None, None, None
+        return grad_h, None, None, None, None, None, None, None, None, None

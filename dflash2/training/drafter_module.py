@@ -35,7 +35,12 @@ from dflash2.training.batch_transfer import copies_beside_compute, copy_beside_c
 from dflash2.training.chunked_head import HeadOutputs, chunked_head_outputs, head_outputs_from_logits
 from dflash2.training.data_parallel import all_reduce_sum, global_weight_share, world_size
 from dflash2.training.optimizer_impl import adamw_kwargs, check_optimizer_impl, is_fused, resolve_optimizer_impl
-from dflash2.training.preflight import check_attention, check_loss_chunk_positions, drafter_config_differences
+from dflash2.training.preflight import (
+    check_attention,
+    check_loss_chunk_positions,
+    check_loss_kernels,
+    drafter_config_differences,
+)
 from dflash2.training.schedule import cosine_with_warmup
 
 
@@ -58,6 +63,7 @@ class DrafterTrainingModule(L.LightningModule):
         target_id: str = "",
         selector_gold_injection: bool = False,
         loss_chunk_positions: int = 0,
+        loss_kernels: bool = False,
         attention: str = "auto",
         optimizer_impl: str = "auto",
     ):
@@ -75,6 +81,7 @@ class DrafterTrainingModule(L.LightningModule):
             target_id=target_id,
             selector_gold_injection=selector_gold_injection,
             loss_chunk_positions=loss_chunk_positions,
+            loss_kernels=loss_kernels,
             attention=attention,
             optimizer_impl=optimizer_impl,
         )
@@ -92,6 +99,9 @@ class DrafterTrainingModule(L.LightningModule):
         # > 0: the loss through the LM head in chunks of that many positions (chunked_head.py); 0: the plain
         # path from full logits, kept as the reference (drafter.loss_chunk_positions, docs/TRAINING.md)
         self.loss_chunk_positions = check_loss_chunk_positions(loss_chunk_positions)
+        # the chunked loss's passes over each chunk's logits as Triton kernels where they can run (no serving
+        # scales, CUDA; chunked_head.use_fused_passes); no effect on the plain path (drafter.loss_kernels)
+        self.loss_kernels = check_loss_kernels(loss_kernels)
         # auto | flex | dense: the drafter's training attention, decided per step on the batch's device
         # (drafter.attention, docs/TRAINING.md "Block-sparse attention in training")
         self.attention = check_attention(attention)
@@ -218,6 +228,7 @@ class DrafterTrainingModule(L.LightningModule):
                 top_k=top_k,
                 multiplier=config.output_multiplier,
                 softcap=config.final_logit_softcapping,
+                fused=self.loss_kernels,
             )
         raw = self.target.head_logits(drafted)  # (N, A, P, V), drafted cast to the head's dtype
         logits = self.drafter.block_logits(drafted, self.target.head_logits, raw=raw)

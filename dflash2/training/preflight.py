@@ -30,6 +30,18 @@ def check_loss_chunk_positions(value) -> int:
     return value
 
 
+def check_loss_kernels(value) -> bool:
+    """``drafter.loss_kernels`` as a bool (null = false: the chunked CE's torch passes)."""
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise DFlash2Error(
+            f"drafter.loss_kernels={value!r} must be true or false "
+            "(the chunked loss's passes over each chunk's logits as Triton kernels)"
+        )
+    return value
+
+
 def check_attention(value, device: str | None = None) -> str:
     """``drafter.attention`` (auto | flex | dense; null = auto) as a string.
 

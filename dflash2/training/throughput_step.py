@@ -8,6 +8,7 @@ from contextlib import nullcontext
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
+from dflash2.training.chunked_head import use_fused_passes
 from dflash2.training.optimizer_impl import optimizer_impl_name
 from dflash2.training.throughput_report import top_kernels
 from dflash2.training.throughput_setup import Bench, Variant
@@ -40,6 +41,13 @@ class StepRunner:
         self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.clip = float(bench.settings.get("grad_clip") or 0.0)
         self.optimizer_impl = optimizer_impl_name(self.optimizer)
+        # drafter.loss_kernels as it applies here: the chunked CE's Triton passes run (chunked_head.py)
+        self.loss_kernels = bool(self.module.loss_chunk_positions) and use_fused_passes(
+            self.module.loss_kernels,
+            torch.empty(0, device=self.device),
+            bench.drafter.config.output_multiplier,
+            bench.drafter.config.final_logit_softcapping,
+        )
         # trainer=gpu is bf16-mixed: Lightning's own autocast around training_step (its weight-cast cache
         # off, as Lightning has it); trainer=cpu 32-true
         cuda = self.device.type == "cuda"
