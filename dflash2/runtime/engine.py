@@ -247,7 +247,8 @@ class Decoder:
     Off by default until measured; note the switch is process-wide (other threads' collections wait too)
     and the collection it defers runs after the loop, inside the generation's wall time.
     overlap_context: a speculative verify writes the drafter's context K/V of its block on a side stream as
-    soon as the target's last tapped layer has run, beside the remaining layers (:class:`SideStream`, joined
+    soon as the target's last tapped layer's output is stored (by the next layer's first norm, models/base.py
+    ``_tap``), beside the remaining layers (:class:`SideStream`, joined
     inside the verify phase); False = in line after them. The same values either way.
     Attributes set by callers: ``timer`` (a :class:`~dflash2.runtime.graphs.PhaseTimer` or None) and
     ``on_step`` (called with the slot after each step: progress bars, tests).
@@ -435,8 +436,9 @@ class Decoder:
 
         def write_context(taps):
             # the drafter's context K/V of all B positions need only the taps, not the acceptance (the commit
-            # advances the lengths): on a side stream from the last tapped layer on, beside the target's
-            # remaining layers and LM head (at batch 1 both chains are latency-bound small kernels)
+            # advances the lengths): on a side stream from the last tapped layer's output on (the model calls this
+            # once the next norm has stored it into the taps), beside the target's remaining layers and LM head
+            # (at batch 1 both chains are latency-bound small kernels)
             self.side.fork(lambda: self.drafter.write_context(s.ctx, taps))
             written.append(True)
 
