@@ -49,6 +49,69 @@ def test_add_rms_norm(interpret, dtype, offset, residual):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [False, True])
+@pytest.mark.parametrize("taps_rows", ["even", "uneven"])
+def test_add_rms_norm_strided_into_h_out(interpret, dtype, offset, taps_rows):
+    """x, residual and h_out strided views (unit last stride, rows wider than D), as the target's norms get them
+    when h_out is a layer's (N, T, d) slice of the (N, T, K·d) taps (models/base.py ``_tap``) and x that slice on
+    the next norm: read and written in place, h returned as h_out itself, nothing outside it touched; the same
+    bits as the launch on contiguous copies, and the twin's (``torch.add(x, r, out=h_out)``) values. "uneven": a
+    taps buffer sliced in T too (rows not one stride apart): h goes through a temporary, then a copy."""
+    N, T, D, K = 2, 3, 40, 3
+    for device in kernel_devices():
+        g = torch.Generator().manual_seed(6)
+        x = torch.randn(N, T, 2 * D + 8, generator=g).to(device, dtype)[..., 5 : 5 + D]  # rows 2D + 8 apart
+        r = torch.randn(N, T, D + 3, generator=g).to(device, dtype)[..., 3:]  # rows D + 3 apart
+        w = torch.randn(D, generator=g).to(device, dtype)
+        rows = T if taps_rows == "even" else T + 2
+        taps = torch.full((N, rows, K * D), float("nan"), dtype=dtype, device=device)
+        ref_taps = taps.clone()
+        h_out, ref_out = taps[:, :T, D : 2 * D], ref_taps[:, :T, D : 2 * D]
+        h, y = add_rms_norm(x, r, w, 1e-6, offset, h_out=h_out)
+        assert h is h_out and y.shape == x.shape and y.is_contiguous()
+        h_c, y_c = add_rms_norm(x.contiguous(), r.contiguous(), w, 1e-6, offset)
+        assert torch.equal(h_out, h_c) and torch.equal(y, y_c)  # strides change no bit
+        h_ref, y_ref = add_rms_norm_ref(x, r, w, 1e-6, offset, h_out=ref_out)
+        assert h_ref is ref_out
+        if dtype == torch.float32 or device == "cuda":  # one fp32 add, rounded to nearest: the twin's bits
+            assert torch.equal(h_out, ref_out)
+        else:  # the interpreter's fp32 -> bf16 cast truncates (module docstring)
+            _assert_close(h_out, ref_out, dtype, device)
+        _assert_close(y, y_ref, dtype, device)
+        outside = torch.ones(N, rows, K * D, dtype=torch.bool)
+        outside[:, :T, D : 2 * D] = False
+        assert taps[outside.to(device)].isnan().all()
+        # the next norm reads that slice as its x (the residual stream through the taps), no copy
+        h2, y2 = add_rms_norm(h_out, r, w, 1e-6, offset)
+        h2_c, y2_c = add_rms_norm(h_out.contiguous(), r.contiguous(), w, 1e-6, offset)
+        assert torch.equal(h2, h2_c) and torch.equal(y2, y2_c)
+
+
+def test_add_rms_norm_cpu_h_out_is_the_eager_add():
+    """Outside ``on_cpu()`` CPU tensors run the twin: h_out gets ``torch.add(x, r)``'s bits, y the plain call's."""
+    g = torch.Generator().manual_seed(7)
+    x, r = (torch.randn(2, 3, 24, generator=g).bfloat16() for _ in range(2))
+    w = torch.randn(24, generator=g).bfloat16()
+    taps = torch.zeros(2, 3, 48, dtype=torch.bfloat16)
+    h, y = add_rms_norm(x, r, w, 1e-6, True, h_out=taps[..., 24:])
+    assert h.data_ptr() == taps[..., 24:].data_ptr() and torch.equal(taps[..., 24:], torch.add(x, r))
+    assert torch.equal(y, add_rms_norm(x, r, w, 1e-6, True)[1]) and not taps[..., :24].any()
+
+
+def test_add_rms_norm_refuses_an_h_out_that_does_not_fit():
+    x, r, w = torch.zeros(2, 3, 8), torch.zeros(2, 3, 8), torch.ones(8)
+    for fn in (add_rms_norm, add_rms_norm_ref):
+        with pytest.raises(ValueError, match="without a residual"):
+            fn(x, None, w, 1e-6, False, h_out=torch.zeros(2, 3, 8))
+        with pytest.raises(ValueError, match="shape"):
+            fn(x, r, w, 1e-6, False, h_out=torch.zeros(2, 3, 9))
+        with pytest.raises(ValueError, match="last stride"):
+            fn(x, r, w, 1e-6, False, h_out=torch.zeros(2, 3, 16)[..., ::2])
+        with pytest.raises(ValueError, match="must match"):
+            fn(x, r, w, 1e-6, False, h_out=torch.zeros(2, 3, 8, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul(interpret, dtype):
     for device in kernel_devices():
         gu = torch.randn(2, 3, 2 * 1500, generator=torch.Generator().manual_seed(1)).to(device, dtype)

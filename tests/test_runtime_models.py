@@ -146,6 +146,70 @@ def test_taps_buffer_logits_index_and_kv_len(hf_targets, kind):
     torch.testing.assert_close(part.logits, full.logits[torch.arange(2), last], rtol=0, atol=1e-6)
 
 
+def _spy_layers(model, monkeypatch):
+    """Wrap every layer's forward: returns (outputs, events). outputs[i]: layer i's output as the separate add
+    the taps used to be written by computes it, ``torch.add(h, delta)`` of the (h, delta) it returns; events:
+    ("start", i) / ("end", i) around each layer (the forward's on_taps appends its own)."""
+    outputs, events = {}, []
+    for i, layer in enumerate(model.layers):
+
+        def run(*args, _i=i, _forward=layer.forward, **kwargs):
+            events.append(("start", _i))
+            h, delta = _forward(*args, **kwargs)
+            outputs[_i] = torch.add(h, delta)
+            events.append(("end", _i))
+            return h, delta
+
+        monkeypatch.setattr(layer, "forward", run)
+    return outputs, events
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", KINDS)
+def test_taps_written_by_the_next_norm_are_the_layer_outputs_bit_for_bit(hf_targets, monkeypatch, kind, dtype):
+    """A tapped layer's slice, stored by the norm that adds the layer's output next (the following layer's
+    first norm, or the final norm: base._tap), equals ``torch.add(h, delta)`` of the layer's (h, delta) bit for
+    bit (the separate add it replaces), into a strided caller's buffer, at a prefill with logits_index (whose
+    final norm sees one position per row: the last layer's tap still covers all T) and in a verify block.
+    Logits and caches are those of taps=False. on_taps fires once, with every slice written: after the first
+    norm of the layer after the last tapped one (inside that layer's forward), or after the final norm."""
+    model = load_model(hf_targets[kind][1], dtype=dtype)
+    L, d = model.num_layers, model.hidden_size
+    outputs, events = _spy_layers(model, monkeypatch)
+    ids = torch.randint(0, 128, (2, 13), generator=torch.Generator().manual_seed(8))
+    prompt, block, last_index = ids[:, :9], ids[:, 9:], torch.tensor([8, 5])
+    for tap_ids in ([0], [L - 1, 0], list(range(L))[::-1], [L - 2]):
+        model.set_taps(tap_ids)
+        K = len(tap_ids)
+        state, plain = model.new_state(2, 32), model.new_state(2, 32)
+        for tokens, index, commit in ((prompt, last_index, [9, 6]), (block, None, [4, 2])):
+            buf = torch.full((2, tokens.shape[1], (K + 2) * d), float("nan"), dtype=dtype)
+            view = buf[..., d : (K + 1) * d]  # (N, T, K·d), rows (K + 2)·d apart: each slice is a strided view
+            seen = []
+
+            def on_taps(taps, seen=seen):
+                events.append(("taps",))
+                seen.append(taps.clone())
+
+            events.clear()
+            out = model(tokens, state, taps_out=view, logits_index=index, on_taps=on_taps)
+            expected = torch.cat([outputs[i] for i in tap_ids], dim=-1)
+            assert out.taps is view and torch.equal(view, expected), (tap_ids, index)
+            assert torch.isnan(buf[..., :d]).all() and torch.isnan(buf[..., (K + 1) * d :]).all()
+            assert len(seen) == 1 and torch.equal(seen[0], expected)  # every slice already written then
+            at, last = events.index(("taps",)), max(tap_ids)
+            if last + 1 < L:  # fired inside layer last + 1: after its first norm, before it returns
+                assert events.index(("start", last + 1)) < at < events.index(("end", last + 1))
+            else:  # the last layer tapped: after the final norm, i.e. after every layer
+                assert at == len(events) - 1
+            off = model(tokens, plain, logits_index=index, taps=False)
+            assert off.taps is None and torch.equal(out.logits, off.logits)
+            for s in (state, plain):
+                s.commit(torch.tensor(commit))
+        if state.kv is not None:
+            assert torch.equal(state.kv.k, plain.kv.k) and torch.equal(state.kv.v, plain.kv.v)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_bf16_checkpoint_loads_and_runs(hf_targets, tmp_path, kind):
     """Weights stored in bf16 load in bf16 (the stored dtype) and decode close to HF's own bf16 forward;

@@ -45,3 +45,31 @@ def test_every_phase_of_both_steps_is_counted():
     assert raw.phases["verify"].total > spec.phases["verify"].total
     assert raw.phases["draft"].total >= spec.phases["draft"].total
     assert "draft" in "\n".join(report("spec", spec, top=3))
+
+
+def test_taps_cost_the_target_forward_no_op():
+    """A target forward with taps runs exactly the ops of one without: each tapped layer's output is stored into
+    its taps slice by the residual norm that adds it anyway (the next layer's first, or the final norm:
+    models/base.py ``_tap``), not by an add of its own (5 ``add`` per speculative verify at the small shape's 5
+    taps before). Taps not at the last layer, at it, and both; a block of 4 and a prefill with logits_index.
+    Counted raw (the twins' own ops): the fused norm's residual add shows as an ``add`` in both forwards."""
+    target, _ = build_pair("tiny", torch.float32)
+    L = target.num_layers
+    tokens = torch.randint(0, 200, (2, 4), generator=torch.Generator().manual_seed(0))
+    for tap_ids in ([1], [L - 1], [0, 2, L - 1]):
+        target.set_taps(tap_ids)
+        for index in (None, torch.tensor([3, 1])):
+            counts = []
+            for taps in (True, False):
+                state = target.new_state(2, 16)
+                counter = OpCounter()
+                with counter:
+                    out = target(tokens, state, logits_index=index, taps=taps)
+                counter.done("forward")
+                assert (out.taps is not None) == taps
+                counts.append(counter.phases["forward"].ops)
+            if index is not None and L - 1 in tap_ids:
+                # the final norm sees one position per row there, the last tap needs all T: a plain add writes
+                # it (base._logits), the norm then gathers that sum alone, not h and delta: one gather fewer
+                counts[1]["gather"] -= 1
+            assert counts[0] == counts[1], (tap_ids, index)

@@ -248,9 +248,9 @@ class Decoder:
     Off by default until measured; note the switch is process-wide (other threads' collections wait too)
     and the collection it defers runs after the loop, inside the generation's wall time.
     overlap_context: a speculative verify writes the drafter's context K/V of its block on a side stream as
-    soon as the target's last tapped layer has run, beside the remaining layers (:class:`SideStream`, joined
-    inside the verify phase); False = in line, right after that layer, before the remaining ones. The same
-    values either way.
+    soon as the target's last tapped layer's output is stored (by the next layer's first norm, models/base.py
+    ``_tap``), beside the remaining layers (:class:`SideStream`, joined inside the verify phase); False = in
+    line at that point, before the remaining layers. The same values either way.
     Attributes set by callers: ``timer`` (a :class:`~dflash2.runtime.graphs.PhaseTimer` or None) and
     ``on_step`` (called with the slot after each step: progress bars, tests).
     """
@@ -437,10 +437,11 @@ class Decoder:
 
         def write_context(taps):
             # the drafter's context K/V of all B positions need only the taps, not the acceptance (the commit
-            # advances the lengths): on a side stream from the last tapped layer on, beside the target's
-            # remaining layers and LM head (at batch 1 both chains are latency-bound small kernels). Only from
-            # the context's own taps buffer: a buffer the forward allocated (a context without one) would be a
-            # main-stream temporary, freed while the side stream may still read it, so that runs in line
+            # advances the lengths): on a side stream from the last tapped layer's output on (the model calls this
+            # once the next norm has stored it into the taps), beside the target's remaining layers and LM head
+            # (at batch 1 both chains are latency-bound small kernels). Only from the context's own taps buffer:
+            # a buffer the forward allocated (a context without one) would be a main-stream temporary, freed
+            # while the side stream may still read it, so that runs in line
             if taps is s.ctx.taps:
                 self.side.fork(lambda: self.drafter.write_context(s.ctx, taps))
             else:

@@ -105,7 +105,8 @@ class OpCounter(TorchDispatchMode):
 
     Used as a Decoder's ``timer``: ``begin_step()`` starts a step, ``done(name)`` closes phase ``name``
     (what ran since the previous mark). Ops before the first step are 'prefill', between a step's last
-    phase and the next step 'poll'. ``scope(name)`` attributes ops to a layer (outermost scope wins);
+    phase and the next step 'poll'. ``scope(name)`` attributes ops to a layer (outermost scope wins, but a
+    scope opened with ``own=True`` keeps its ops wherever it runs);
     ``unit(name, launches)`` runs its body uncounted and counts ``launches`` ops named ``name``.
     """
 
@@ -136,9 +137,9 @@ class OpCounter(TorchDispatchMode):
 
     # ---------------------------------------------------------------- attribution
     @contextlib.contextmanager
-    def scope(self, name: str):
+    def scope(self, name: str, own: bool = False):
         outer = self._scope
-        self._scope = outer or name
+        self._scope = name if own else outer or name
         try:
             yield
         finally:
@@ -285,7 +286,9 @@ def _patched(counter: OpCounter, target, drafter, raw: bool):
         return run
 
     wrap(drafter, "_layer", drafter_layer)
-    wrap(drafter, "write_context", around(lambda: counter.scope("drafter context")))  # verify or prefill
+    # verify or prefill; own: the verify's on_taps starts it from inside the target layer after the last tapped
+    # one (that layer's first norm writes the last tap), but its ops are the drafter's side-stream work
+    wrap(drafter, "write_context", around(lambda: counter.scope("drafter context", own=True)))
     try:
         yield
     finally:

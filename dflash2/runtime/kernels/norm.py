@@ -6,7 +6,10 @@
     y = round((h / rms(h)) · w32)     add_rms_norm_fp32w (the drafter's RMSNorm: fp32 weight, one rounding)
 
 rms is computed in fp32. Shapes: x, residual (..., D); weight (D,); returns (h, y), both
-(..., D) in x's dtype (h is x itself when there is no residual).
+(..., D) in x's dtype (h is x itself when there is no residual). x, residual and h may be strided views
+(unit last stride, any row stride: e.g. a layer's (N, T, d) slice of the target's (N, T, K·d) taps buffer,
+rows K·d apart): the kernel reads and writes them in place, no contiguous copy. ``add_rms_norm``'s
+``h_out`` (the target's taps, base.py): h is written there, so a tapped layer's output needs no add of its own.
 
 The kernel's sum of squares runs in Triton's reduction order, the twin's in the library's: rms
 may differ in its last fp32 bit, so y to fp32 rounding (fp32) or, where that flips a rounding,
@@ -27,9 +30,32 @@ from dflash2.runtime.kernels import jit, use_triton
 _HF, _OFFSET, _FP32W = 0, 1, 2
 
 
-def add_rms_norm_ref(x, residual, weight, eps: float, offset: bool):
-    """The eager twin (exactly the ops of ``layers.RMSNorm`` after an eager residual add)."""
-    h = x if residual is None else x + residual
+def _check_h_out(x: torch.Tensor, residual: torch.Tensor | None, h_out: torch.Tensor | None) -> None:
+    """h_out (x's shape, dtype and device, unit last stride) receives h = x + residual: a residual is needed."""
+    if h_out is None:
+        return
+    if residual is None:
+        raise ValueError("add_rms_norm: h_out is given without a residual (h would be x itself, nothing to write)")
+    if h_out.shape != x.shape:
+        raise ValueError(f"add_rms_norm: h_out has shape {tuple(h_out.shape)}, x {tuple(x.shape)}: they must match")
+    if h_out.dtype != x.dtype or h_out.device != x.device:
+        raise ValueError(
+            f"add_rms_norm: h_out is {h_out.dtype} on {h_out.device}, x {x.dtype} on {x.device}: they must match"
+        )
+    if x.shape[-1] > 1 and h_out.stride(-1) != 1:
+        raise ValueError(f"add_rms_norm: h_out's last stride is {h_out.stride(-1)}: it must be 1 (rows of D elements)")
+
+
+def add_rms_norm_ref(x, residual, weight, eps: float, offset: bool, *, h_out=None):
+    """The eager twin (exactly the ops of ``layers.RMSNorm`` after an eager residual add); h_out as in
+    :func:`add_rms_norm` (the add is ``torch.add(x, residual, out=h_out)``: the same op, rounded the same)."""
+    _check_h_out(x, residual, h_out)
+    if h_out is not None:
+        h = torch.add(x, residual, out=h_out)
+    elif residual is None:
+        h = x
+    else:
+        h = x + residual
     h32 = h.float()
     y = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
     if offset:
@@ -73,28 +99,47 @@ def _add_rms_norm_kernel(
     h_ptr,
     y_ptr,
     D,
+    stride_x,
+    stride_r,
+    stride_h,
     inv_d,
     eps,
     HAS_RES: tl.constexpr,
     MODE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # one program per row; rows are contiguous (the launcher reshapes to (M, D))
+    # one program per row of the launcher's (M, D) views; x, r and h rows stride_* elements apart (unit column
+    # stride: a taps slice is rows K·d apart), y contiguous (rows D apart)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < D
-    x = tl.load(x_ptr + row * D + cols, mask=m, other=0.0)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
     if HAS_RES:
-        r = tl.load(r_ptr + row * D + cols, mask=m, other=0.0)
-        x = _residual_add(x, r, h_ptr, row * D + cols, m)
+        r = tl.load(r_ptr + row * stride_r + cols, mask=m, other=0.0)
+        x = _residual_add(x, r, h_ptr, row * stride_h + cols, m)
     _rms_norm_row(x, w_ptr, y_ptr, row * D + cols, cols, m, D, inv_d, eps, MODE)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, offset: bool):
-    """(h, y) = (x + residual, RMSNorm(x + residual)); the Triton kernel on CUDA, else the twin."""
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    offset: bool,
+    *,
+    h_out: torch.Tensor | None = None,
+):
+    """(h, y) = (x + residual, RMSNorm(x + residual)); the Triton kernel on CUDA, else the twin.
+
+    x, residual (..., D), any strides with a unit last one (read in place); weight (D,). h_out: optional
+    (..., D) tensor of x's shape and dtype with a unit last stride (e.g. a layer's (N, T, d) slice of the
+    target's (N, T, K·d) taps, rows K·d apart) that receives h, which is then h_out itself; needs a residual.
+    Why: the target's tapped layer outputs are written by the norm that adds them anyway (models/base.py),
+    not by an add launch of their own. Raises ValueError on an h_out that does not fit."""
+    _check_h_out(x, residual, h_out)
     if not use_triton(x) or weight.dtype != x.dtype:
-        return add_rms_norm_ref(x, residual, weight, eps, offset)
-    return _launch(x, residual, weight, eps, _OFFSET if offset else _HF)
+        return add_rms_norm_ref(x, residual, weight, eps, offset, h_out=h_out)
+    return _launch(x, residual, weight, eps, _OFFSET if offset else _HF, h_out)
 
 
 def add_rms_norm_fp32w_ref(x, residual, weight32, eps: float):
@@ -115,16 +160,37 @@ def add_rms_norm_fp32w(x: torch.Tensor, residual: torch.Tensor | None, weight32:
     return _launch(x, residual, weight32, eps, _FP32W)
 
 
-def _launch(x, residual, weight, eps: float, mode: int):
+def _rows(t: torch.Tensor) -> torch.Tensor | None:
+    """t (..., D) as (M, D) rows one stride apart with unit column stride, without a copy; None where its
+    strides do not allow that (e.g. a slice of a slice: rows of a row block not evenly spaced)."""
+    D = t.shape[-1]
+    if D > 1 and t.stride(-1) != 1:
+        return None
+    try:
+        rows = t.view(-1, D)
+    except RuntimeError:
+        return None
+    return rows if D == 1 or rows.stride(-1) == 1 else None
+
+
+def _launch(x, residual, weight, eps: float, mode: int, h_out=None):
     D = x.shape[-1]
-    x2 = x.reshape(-1, D).contiguous()
+    x2 = _rows(x)
+    if x2 is None:
+        x2 = x.reshape(-1, D).contiguous()
     M = x2.shape[0]
-    y = torch.empty_like(x2)
+    y = torch.empty(M, D, dtype=x.dtype, device=x.device)
+    h_copy = None  # an h_out that is not (M, D) rows one stride apart: h goes through a temporary, then a copy
     if residual is None:
         h, r2 = x2, x2
     else:
-        r2 = residual.reshape(-1, D).contiguous()
-        h = torch.empty_like(x2)
+        r2 = _rows(residual)
+        if r2 is None:
+            r2 = residual.reshape(-1, D).contiguous()
+        h = None if h_out is None else _rows(h_out)
+        if h is None:
+            h = torch.empty(M, D, dtype=x.dtype, device=x.device)
+            h_copy = h_out
     block = max(triton_next_pow2(D), 16)
     jit(_add_rms_norm_kernel)[(M,)](
         x2,
@@ -133,6 +199,9 @@ def _launch(x, residual, weight, eps: float, mode: int):
         h,
         y,
         D,
+        x2.stride(0),
+        r2.stride(0),
+        h.stride(0),
         1.0 / D,
         eps,
         HAS_RES=residual is not None,
@@ -144,7 +213,13 @@ def _launch(x, residual, weight, eps: float, mode: int):
         # in both, so a norm's result does not depend on which of the two launched it
         **({"enable_fp_fusion": False} if mode == _FP32W else {}),
     )
-    return (x if residual is None else h.view(x.shape)), y.view(x.shape)
+    if residual is None:
+        return x, y.view(x.shape)
+    if h_out is None:
+        return h.view(x.shape), y.view(x.shape)
+    if h_copy is not None:
+        h_copy.copy_(h.view(x.shape))
+    return h_out, y.view(x.shape)
 
 
 def triton_next_pow2(n: int) -> int:

@@ -10,7 +10,8 @@ its layers in ``__init__`` from the HF text config, declares ``KEY_MAP`` (its na
 Taps (docs/ARCHITECTURE.md §2.1): the outputs of the decoder layers
 in ``target_layer_ids`` (HF's ``hidden_states[i + 1]``), concatenated in that order
 into (N, T, K·d), written straight into a caller's buffer when one is given (the
-drafter's context buffer) — no hooks.
+drafter's context buffer) — no hooks, and no launch of their own: the residual norm
+after a tapped layer stores its output h + delta into the layer's slice (``_tap``).
 """
 
 from __future__ import annotations
@@ -129,18 +130,38 @@ class RuntimeCausalLM(nn.Module):
             return taps_out
         return like.new_empty(N, T, len(self.target_layer_ids) * self.hidden_size)
 
-    def _tap(self, taps: torch.Tensor | None, layer: int, h: torch.Tensor, delta: torch.Tensor, on_taps=None) -> None:
-        """Write layer ``layer``'s output h + delta (N, T, d) into its slice of taps, if it is tapped; after the
-        last tapped layer, ``on_taps(taps)`` (the forward's argument: work that needs only the taps may start
-        there, beside the layers still to run).
+    def _tap(self, taps: torch.Tensor | None, layer: int, h: torch.Tensor, delta: torch.Tensor | None, on_taps=None):
+        """Route layer ``layer``'s output h + delta (N, T, d) into its slice of taps if the layer is tapped.
 
-        Layers return (h, delta) with the last residual add left to the next norm (fused there);
-        a tapped layer's output is materialised here, rounded as the eager add."""
-        if taps is not None and layer in self.target_layer_ids:
-            j = self.target_layer_ids.index(layer)
-            torch.add(h, delta, out=taps[..., j * self.hidden_size : (j + 1) * self.hidden_size])
-            if on_taps is not None and layer == max(self.target_layer_ids):
-                on_taps(taps)
+        Returns (out, done). out: the layer's (N, T, d) slice of taps (rows K·d apart) for the norm that adds
+        h + delta next to write (``h_out=``: the next layer's first norm, or the final norm in :meth:`_logits`),
+        which then carries that view as the residual stream; done: None, or (after the last tapped layer) a
+        callable of no arguments running ``on_taps(taps)``, to be called once that norm has written out — only
+        then is every slice written (an earlier layer's slice is written by its next layer's first norm). on_taps
+        is the forward's argument: work that needs only the taps may start there, beside the layers still to run.
+        (None, None) when the layer is not tapped, or when its slice was written here.
+
+        Why: layers return (h, delta) with the last residual add left to the next norm (fused there), whose
+        kernel stores h = round(h + delta) anyway; storing that into the taps replaces an add launch per tapped
+        layer (5 per speculative verify at the embedded pair's shape) with a strided store, bit for bit the same
+        values (one fp32 add rounded to the dtype, as torch.add). Written here instead: delta None (the output
+        is h itself: a copy), or a taps buffer the norm cannot write (another dtype or device than h, a non-unit
+        last stride): ``torch.add`` into it, and on_taps at once after the last tapped layer."""
+        if taps is None or layer not in self.target_layer_ids:
+            return None, None
+        j = self.target_layer_ids.index(layer)
+        out = taps[..., j * self.hidden_size : (j + 1) * self.hidden_size]
+        last = on_taps is not None and layer == max(self.target_layer_ids)
+        done = (lambda: on_taps(taps)) if last else None
+        if delta is not None and out.dtype == h.dtype and out.device == h.device and out.stride(-1) == 1:
+            return out, done
+        if delta is None:
+            out.copy_(h)
+        else:
+            torch.add(h, delta, out=out)
+        if done is not None:
+            done()
+        return None, None
 
     def fuse_projections(self) -> RuntimeCausalLM:
         """One GEMV per fused group (q|k|v, gate|up, GDN in_proj_*): see ``layers.fuse_linears``."""
@@ -150,10 +171,32 @@ class RuntimeCausalLM(nn.Module):
         return self
 
     # ------------------------------------------------------------------- head
-    def _logits(self, h: torch.Tensor, delta: torch.Tensor, logits_index: torch.Tensor | None) -> torch.Tensor:
+    def _logits(
+        self,
+        h: torch.Tensor,
+        delta: torch.Tensor | None,
+        logits_index: torch.Tensor | None,
+        h_out: torch.Tensor | None = None,
+        on_h_out=None,
+    ) -> torch.Tensor:
         """Last residual add + final norm + LM head. h, delta (N, T, d) -> (N, T, V);
-        with logits_index (N,) long -> (N, V) at those t."""
+        with logits_index (N,) long -> (N, V) at those t.
+
+        h_out: the last layer's (N, T, d) tap slice (:meth:`_tap`), written with h + delta, then on_h_out() if
+        given. Without logits_index the final norm writes it. With it the norm sees one position per row, and
+        the tap needs all T (prefill: the drafter's context reads every position): a plain add writes it, and
+        the norm normalises the gathered rows of that sum (the same values as adding the gathered rows)."""
+        if h_out is not None and logits_index is not None:
+            h, delta = torch.add(h, delta, out=h_out), None
+            h_out = None
+            if on_h_out is not None:
+                on_h_out()
+                on_h_out = None
         if logits_index is not None:
             index = logits_index[:, None, None].expand(-1, 1, h.shape[-1])
-            h, delta = h.gather(1, index)[:, 0], delta.gather(1, index)[:, 0]  # (N, d)
-        return linear(self.norm.add_forward(h, delta)[1], self.lm_head.weight, self.lm_head.bias)
+            h = h.gather(1, index)[:, 0]  # (N, d)
+            delta = None if delta is None else delta.gather(1, index)[:, 0]
+        x = self.norm.add_forward(h, delta, out=h_out)[1]
+        if on_h_out is not None:  # the final norm wrote the last tap: the LM head runs beside on_taps' work
+            on_h_out()
+        return linear(x, self.lm_head.weight, self.lm_head.bias)

@@ -75,9 +75,14 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return add_rms_norm(x, None, self.weight, self.eps, self.offset)[1]
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h, norm(h)) with h = x + residual (x itself when residual is None): the residual add fused in."""
-        return add_rms_norm(x, residual, self.weight, self.eps, self.offset)
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, norm(h)) with h = x + residual (x itself when residual is None): the residual add fused in.
+
+        x, residual (..., d); out: optional (..., d) view with a unit last stride (a tapped layer's slice of the
+        target's taps, base.py) that receives h, returned as h; needs a residual (``kernels.norm.add_rms_norm``)."""
+        return add_rms_norm(x, residual, self.weight, self.eps, self.offset, h_out=out)
 
 
 class GatedRMSNorm(nn.Module):

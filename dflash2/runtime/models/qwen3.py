@@ -6,7 +6,8 @@
         h = h + mlp(rms(h))                             # tapped: h after the layer
     logits = lm_head(rms(h))                            # (N, T, V)
 
-Each residual add is fused into the norm that follows it (layers return (h, delta)).
+Each residual add is fused into the norm that follows it (layers return (h, delta)); after a
+tapped layer that norm also stores the sum into the layer's taps slice (base._tap).
 
 Llama (llama.py) is this decoder without the q/k norms; it reuses the class.
 """
@@ -62,9 +63,15 @@ class DenseBlock(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=mlp_bias)
 
-    def forward(self, h, delta, rope, state: DecodeState, slot: int, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h, delta) -> (h', delta'): the layer's output is h' + delta' (the add is fused into the next norm)."""
-        h, x = self.attn_norm.add_forward(h, delta)  # h = h + delta (delta None on the first layer)
+    def forward(
+        self, h, delta, rope, state: DecodeState, slot: int, meta, h_out=None, on_h_out=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, delta) (N, T, d) -> (h', delta'): the layer's output is h' + delta' (the add is fused into the next
+        norm). h_out: optional (N, T, d) view (the previous layer's tap slice, rows K·d apart) the first norm
+        writes h + delta into, then used as the residual stream; on_h_out: called once it is written."""
+        h, x = self.attn_norm.add_forward(h, delta, out=h_out)  # h = h + delta (delta None on the first layer)
+        if on_h_out is not None:
+            on_h_out()
         h, x = self.mlp_norm.add_forward(h, self.attn(x, rope, state.kv, slot, meta))
         return h, self.mlp(x)
 
@@ -107,15 +114,20 @@ class Qwen3(RuntimeCausalLM):
         (N,) long, one position per row whose logits alone are computed (e.g. each row's last
         prompt token at prefill); kv_len: see :meth:`DecodeState.step_meta`; taps=False: no taps at all
         (output ``taps`` None), e.g. a plain AR step, which must not pay for the drafter's features.
-        on_taps: optional callable, given the taps (N, T, K·d) once the last tapped layer has written them,
-        before the layers after it run (never called without taps).
+        on_taps: optional callable, given the taps (N, T, K·d) once every tapped layer's output is written:
+        right after the first norm of the layer after the last tapped one (that norm writes the last slice),
+        before that layer's mixer; after the final norm, before the LM head, when the last layer is tapped
+        (never called without taps).
         """
         N, T = tokens.shape
         meta = state.step_meta(T, kv_len)
         h, delta = self.embed(tokens), None  # (N, T, d); a layer's output is h + delta
         rope = self.rotary(meta.positions, h.dtype, state.rope)  # cos, sin (N, 1, T, D)
         taps = self._tap_buffer(N, T, taps_out, h) if taps else None
+        # a tapped layer's output is stored into its taps slice by the norm that adds it, the next layer's first
+        # (or the final norm): tap_out / tap_done carry the slice and the on_taps trigger to it (base._tap)
+        tap_out = tap_done = None
         for i, layer in enumerate(self.layers):
-            h, delta = layer(h, delta, rope, state, i, meta)
-            self._tap(taps, i, h, delta, on_taps)
-        return ModelOutput(self._logits(h, delta, logits_index), taps)
+            h, delta = layer(h, delta, rope, state, i, meta, h_out=tap_out, on_h_out=tap_done)
+            tap_out, tap_done = self._tap(taps, i, h, delta, on_taps)
+        return ModelOutput(self._logits(h, delta, logits_index, h_out=tap_out, on_h_out=tap_done), taps)

@@ -126,9 +126,15 @@ class HybridBlock(nn.Module):
         self.norm2 = RMSNorm(cfg.hidden_size, eps, offset=True)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h, delta, rope, state: DecodeState, slot: int, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h, delta) -> (h', delta'): the layer's output is h' + delta' (the add is fused into the next norm)."""
-        h, x = self.norm1.add_forward(h, delta)
+    def forward(
+        self, h, delta, rope, state: DecodeState, slot: int, meta, h_out=None, on_h_out=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, delta) (N, T, d) -> (h', delta'): the layer's output is h' + delta' (the add is fused into the next
+        norm). h_out, on_h_out: as in :meth:`dflash2.runtime.models.qwen3.DenseBlock.forward` (the first norm
+        writes h + delta into the previous layer's tap slice h_out, then on_h_out() runs)."""
+        h, x = self.norm1.add_forward(h, delta, out=h_out)
+        if on_h_out is not None:
+            on_h_out()
         mixed = self.gdn(x, state.gdn, slot) if self.kind == GDN else self.attn(x, rope, state.kv, slot, meta)
         h, x = self.norm2.add_forward(h, mixed)
         return h, self.mlp(x)
@@ -185,7 +191,9 @@ class Qwen3_5(RuntimeCausalLM):
         h, delta = self.embed(tokens), None  # (N, T, d); a layer's output is h + delta
         rope = self.rotary(meta.positions, h.dtype, state.rope)  # cos, sin (N, 1, T, R)
         taps = self._tap_buffer(N, T, taps_out, h) if taps else None
+        # tapped outputs stored by the next norm, on_taps after it: as in Qwen3.forward (base._tap)
+        tap_out = tap_done = None
         for i, layer in enumerate(self.layers):
-            h, delta = layer(h, delta, rope, state, self._slots[i], meta)
-            self._tap(taps, i, h, delta, on_taps)
-        return ModelOutput(self._logits(h, delta, logits_index), taps)
+            h, delta = layer(h, delta, rope, state, self._slots[i], meta, h_out=tap_out, on_h_out=tap_done)
+            tap_out, tap_done = self._tap(taps, i, h, delta, on_taps)
+        return ModelOutput(self._logits(h, delta, logits_index, h_out=tap_out, on_h_out=tap_done), taps)
