@@ -1,5 +1,5 @@
 """The runtime drafter's fused kernels (add_rms_norm_fp32w, draft_qk_rope_write, local_conv, conv_add_rms_norm_fp32w,
-selector_walk) against their twins, and a draft step through them against the eager step.
+selector_walk and its pair tables) against their twins, and a draft step through them against the eager step.
 
 On the CPU they run through Triton's interpreter (``kernels.on_cpu()``; conftest sets TRITON_INTERPRET=1
 without a GPU). Tolerances: the kernels round at the twins' points, and the one reduction (a row's or
@@ -221,26 +221,71 @@ def test_local_conv_is_the_module():
             assert torch.equal(local_conv_ref(x, delta, w.base, side), conv(x, side, conv.deltas(x), 8))
 
 
+# (N, P, k, V, r): odd sizes (k and r no powers of two), the real drafter's (P 15, k 16, r 256), one position,
+# k above one 16-wide tile and r not a multiple of 16
+WALK_SIZES = [(3, 6, 5, 40, 24), (1, 15, 16, 300, 256), (3, 15, 16, 300, 256), (3, 1, 5, 40, 24), (2, 7, 19, 64, 100)]
+
+
+def _walk_case(dtype, device, N, P, k, V, r, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    pcb, scb = (torch.randn(V, r, generator=g).to(device, dtype) for _ in range(2))
+    # hh scaled by sqrt(24 / r): the pair terms spread as at rank 24 (the first case's), so a rounding of bf16's
+    # stays as small against the gaps between scores (unscaled, rank 256 makes them about 3 times larger)
+    hh = (torch.randn(N, P, r, generator=g) * (24 / r) ** 0.5).to(device, dtype)
+    cand_ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(N * P)]).view(N, P, k).to(device)
+    unary = torch.randn(N, P, k, generator=g).to(device)
+    anchor = torch.tensor([0, 7, 39], device=device) if N == 3 else torch.randint(0, V, (N,), generator=g).to(device)
+    return hh, cand_ids, unary, anchor, pcb, scb
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_selector_walk(interpret, dtype):
-    """Odd sizes: k = 5 candidates of 40 tokens, rank 24, 3 rows, 6 positions. Tokens are chosen by argmax,
-    a near-tie of scores could go either way (see the kernel's docstring); these seeds have none, so the
-    tokens are compared exactly (bf16 too, even with the interpreter's truncating cast)."""
-    N, P, k, V, r = 3, 6, 5, 40, 24
+@pytest.mark.parametrize("sizes", WALK_SIZES)
+def test_selector_walk(interpret, dtype, sizes):
+    """The walk's kernels (pair tables, walk) == the twin at WALK_SIZES. Tokens are chosen by argmax, a near-tie
+    of scores could go either way (see the kernel's docstring); these seeds have none, so the tokens are compared
+    exactly (bf16 too, even with the interpreter's truncating cast)."""
+    N, P = sizes[:2]
     for device in kernel_devices():
-        g = torch.Generator().manual_seed(4)
-        pcb, scb = (torch.randn(V, r, generator=g).to(device, dtype) for _ in range(2))
-        hh = torch.randn(N, P, r, generator=g).to(device, dtype)
-        cand_ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(N * P)]).view(N, P, k).to(device)
-        unary = torch.randn(N, P, k, generator=g).to(device)
-        anchor = torch.tensor([0, 7, 39], device=device)
+        hh, cand_ids, unary, anchor, pcb, scb = _walk_case(dtype, device, *sizes)
         got = selector_walk(hh, cand_ids, unary, anchor, pcb, scb)
         want = selector_walk_ref(hh, cand_ids, unary, anchor, pcb, scb)
         assert got.dtype == torch.long and got.shape == (N, P)
         assert torch.equal(got, want)
-        # the position loop's pipeline depth changes when loads are issued, not the arithmetic (meaningful on a
-        # GPU: the interpreter ignores num_stages)
-        assert torch.equal(selector_walk(hh, cand_ids, unary, anchor, pcb, scb, stages=1), got)
+
+
+def _walk_table(table, cand_ids, unary):
+    """The greedy walk over given pair tables (N, P, k, k), eagerly: position 0 from row 0 (the anchor's)."""
+    N, P, k = cand_ids.shape
+    choice, tokens = torch.zeros(N, dtype=torch.long), []
+    for pos in range(P):
+        row = table[:, pos].gather(1, choice[:, None, None].expand(N, 1, k))[:, 0]  # (N, k)
+        choice = (unary[:, pos] + row).argmax(-1)
+        tokens.append(cand_ids[:, pos].gather(1, choice[:, None])[:, 0])
+    return torch.stack(tokens, dim=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sizes", WALK_SIZES)
+def test_selector_pair_table(interpret, dtype, sizes):
+    """The pair tables' kernel == the eager tables in the twin's own arithmetic (selector_pair_table_ref) to the
+    dot's summation order, and the eager tables are the twin's pair terms: walked eagerly they draft the twin's
+    tokens. Bound per entry, with m = Σ_r |pred · hh| · |succ| (the same table of magnitudes): fp32 2⁻¹⁶ m
+    (any order of 256 fp32 terms) + 1e-6; bf16 2⁻⁶ (m + |pair|) (the product's and the result's rounding, the
+    interpreter's truncating to the twin's nearest: each up to one bf16 step, 2⁻⁷ relative)."""
+    N, P, k = sizes[:3]
+    for device in kernel_devices():
+        hh, cand_ids, unary, anchor, pcb, scb = _walk_case(dtype, device, *sizes)
+        got = selector.selector_pair_table(hh, cand_ids, anchor, pcb, scb)
+        want = selector.selector_pair_table_ref(hh, cand_ids, anchor, pcb, scb)
+        assert got.dtype == torch.float32 and got.shape == want.shape == (N, P, k, k)
+        mags = selector.selector_pair_table_ref(
+            hh.float().abs(), cand_ids, anchor, pcb.float().abs(), scb.float().abs()
+        )
+        bound = 2**-16 * mags + 1e-6 if dtype == torch.float32 else 2**-6 * (mags + want.abs())
+        assert ((got - want).abs() <= bound).all()
+        assert (want[:, 0] == want[:, 0, :1]).all()  # position 0: the anchor's row for every j
+        want_tokens = selector_walk_ref(hh, cand_ids, unary, anchor, pcb, scb)
+        assert torch.equal(_walk_table(want.cpu(), cand_ids.cpu(), unary.cpu()), want_tokens.cpu())
 
 
 @pytest.fixture(scope="module")
@@ -284,6 +329,7 @@ def test_fused_draft_step_equals_the_eager_step(runtime_target, kind, monkeypatc
             m.setattr(local_conv, "local_conv_ref", no_twin)
             m.setattr(conv_norm, "conv_add_rms_norm_fp32w_ref", no_twin)
             m.setattr(selector, "selector_walk_ref", no_twin)
+            m.setattr(selector, "selector_pair_table_ref", no_twin)
             m.setattr(act, "silu_mul_ref", no_twin)  # the MLP's SwiGLU of its stacked gate|up GEMM
             m.setattr(CandidateSelector, "top_candidates", no_twin)  # its torch.topk: kernels/topk.py instead
             a = fn(contexts[0], *args, **kwargs)

@@ -218,7 +218,8 @@ FUSED = (
     ("dflash2.runtime.kernels.local_conv", "local_conv_ref", 1),  # one side of a DFlash2 local conv (the pre side)
     # a DFlash2 sublayer's post side fused into the next norm (its residual add + RMSNorm): one launch for two
     ("dflash2.runtime.kernels.conv_norm", "conv_add_rms_norm_fp32w_ref", 1),
-    ("dflash2.runtime.selector_path", "greedy_walk", 2),  # the hidden projection's GEMM + the walk's launch
+    # the hidden projection's GEMM + the walk's two launches (its pair tables, then the walk over them)
+    ("dflash2.runtime.selector_path", "greedy_walk", 3),
     ("dflash2.runtime.kernels.act", "silu_mul_ref", 1),
     ("dflash2.runtime.kernels.gated_norm", "gated_rms_norm_ref", 1),
     ("dflash2.runtime.kernels.output_gate", "output_gate_ref", 1),  # gated attention's transpose · sigmoid(gate)

@@ -81,13 +81,14 @@ def block_candidates(selector, logits: torch.Tensor) -> tuple[torch.Tensor, torc
 @torch.no_grad()
 def selector_greedy_path(selector, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
     """``selector.greedy_path(hidden, logits, anchor)``: tokens (N, P) long. Bit for bit on the CPU; on CUDA
-    (kernels on) the walk is one Triton launch after one GEMM of all positions' hidden projections."""
+    (kernels on) the walk is two Triton launches (the pair tables, then the walk) after one GEMM of all
+    positions' hidden projections."""
     return greedy_walk(selector, hidden, *block_candidates(selector, logits), anchor)
 
 
 def greedy_walk(selector, hidden, cand_ids, unary, anchor) -> torch.Tensor:
     """The greedy walk from the candidates: :func:`~dflash2.runtime.kernels.selector.selector_walk` (one GEMM
-    and one launch) where the kernels run, else the eager walk (one GEMM per position, as ``edge_scores``)."""
+    and two launches) where the kernels run, else the eager walk (one GEMM per position, as ``edge_scores``)."""
     if use_triton(hidden):
         hh = selector.hidden_projection(hidden)  # (N, P, r)
         return selector_walk(hh, cand_ids, unary, anchor, selector.predecessor_codebook, selector.successor_codebook)
@@ -106,13 +107,13 @@ def selector_sample_sparse(selector, hidden, logits, anchor, temperature: float,
     hidden (N, P, d), logits (N, P, V) fp32, anchor (N,). Same draws in the same order as
     ``CandidateSelector.sample_path`` (position by position from softmax(edge scores / T) given the
     sampled predecessor), whose dense q is this proposal's ``densify``: bit for bit on the CPU; on CUDA
-    (kernels on) the walk is one Triton launch (kernels/selector_sample.py) after the same draws and one
-    GEMM of all positions' hidden projections, its q the exact law of its own draws.
+    (kernels on) the walk is two Triton launches (kernels/selector_sample.py: the pair tables, then the walk)
+    after the same draws and one GEMM of all positions' hidden projections, its q the exact law of its own draws.
     """
     cand_ids, unary = block_candidates(selector, logits)
     if use_triton(hidden):
         # the races first, P draws of (N, k) in the order the walk below draws them (the generator advances
-        # alike), then one GEMM of all positions' hidden projections and one launch for the walk
+        # alike), then one GEMM of all positions' hidden projections and two launches for the walk
         N, P, k = cand_ids.shape
         fresh = [torch.empty(N, k, dtype=torch.float32, device=logits.device) for _ in range(P)]
         races = torch.stack([r.exponential_(1, generator=generator) for r in fresh])  # (P, N, k)

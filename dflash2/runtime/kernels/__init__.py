@@ -19,10 +19,11 @@ These kernels fold each such group into one launch:
   residual add after it and the next drafter norm, one program per token row, the same code as that pair of
   launches (bit for bit with them; twin: their twins' ops);
 * :func:`~dflash2.runtime.kernels.selector.selector_walk`: the DFlash2 selector's greedy walk over a
-  block, one program per row (twin: the walk's eager ops);
+  block in two launches: the pair terms of every position and predecessor candidate (one program per row and
+  position), then the walk, one program per row, over them in registers (twin: the walk's eager ops);
 * :func:`~dflash2.runtime.kernels.selector_sample.selector_sample_walk`: the selector's T>0 walk, softmax over the
-  k candidates and an exponential race per position, one program per row, after the races are drawn in torch
-  (twin: the sampled walk's eager ops; its q is the law of its own draws);
+  k candidates and an exponential race per position, over the same pair terms (two launches), after the races
+  are drawn in torch (twin: the sampled walk's eager ops; its q is the law of its own draws);
 * :func:`~dflash2.runtime.kernels.topk.topk_rows`: the selector's k candidates per drafted position,
   the top-k of a few vocabulary-long rows in two launches, chunks first (twin: a stable sort);
 * :func:`~dflash2.runtime.kernels.accept.greedy_accept`: the T=0 accept phase's bookkeeping after the

@@ -1,14 +1,31 @@
-"""The DFlash2 selector's greedy walk over one block in one launch (twin: the walk's eager ops).
+"""The DFlash2 selector's greedy walk over one block in two launches (twin: the walk's eager ops).
 
 The walk is sequential (each position's scores need the token chosen before it) and tiny: per
 position, the chosen predecessor's codebook row times the position's hidden projection, its dot
 with the k candidates' successor rows, the unary scores added, the argmax. Eagerly that is about
-six launches per position; here one program per row walks all P positions:
+six launches per position. The expensive part does not need the choice, though: the pair term of
+position pos from predecessor j (candidate j of position pos-1; the anchor at pos 0) to candidate c,
 
-    ph    = round(P[pred] · hh[pos])                    (``pred * hh``, in the codebooks' dtype)
-    pair  = round(Σ_r ph[r] · S[cand[pos, c], r])       (the einsum's bmm, fp32 accumulation)
-    score = unary[pos] + pair                           (fp32)
-    pred  = cand[pos, argmax(score)]                    (ties: the first, the higher drafter logit)
+    pair[pos, j, c] = round(Σ_r round(P[prev[pos, j], r] · hh[pos, r]) · S[cand[pos, c], r])
+
+(``pred * hh`` in the codebooks' dtype, the einsum's bmm with fp32 accumulation and its output
+rounding) is the same whichever j the walk will take. So:
+
+1. the pair tables (N, P, k, k) fp32, one program per (row, position), all positions at once: a
+   (k × r) · (r × k) product of the k predecessors' rows times hh and the k candidates' successor
+   rows (:func:`selector_pair_table`; position 0's table has the anchor in every row j);
+2. the walk, one program per row: every position's table, unary scores and candidate ids are
+   loaded up front (no load waits for a choice), the scores unary + pair of every (position, j)
+   added up front too, and a position of the chain is only the select of row ``choice`` of its
+   scores and their argmax (ties: the first, the higher drafter logit). The tokens are the
+   candidate ids at the choices, gathered after the walk.
+
+Before, one program walked the positions and each paid, in sequence, its loads (the hh row, the
+candidate ids, their gathered codebook rows), a (k × r) multiply-reduce, the argmax and the row
+select of the next predecessor. The tables cost k times the pair arithmetic of the walk (every
+predecessor, not only the chosen one: k · k · r products a position, in parallel over positions
+and rows). They are a temporary (N, P, k, k) fp32 the launcher allocates (``torch.empty``, so it
+fits a captured CUDA graph); the walk holds a row's P · k · k of them in registers.
 
 Inputs as the selector path computes them: hh (N, P, r) = hidden_projection(hidden) (on the
 kernel path one GEMM over all positions), cand_ids (N, P, k) long and unary (N, P, k) fp32 from
@@ -16,6 +33,10 @@ kernel path one GEMM over all positions), cand_ids (N, P, k) long and unary (N, 
 Returns tokens (N, P) long. The dot sums in Triton's order, so a score may differ from the
 twin's in its last bit (fp32) or by one rounding of pair (bf16): a near-tie may then choose the
 other candidate. The drafts are proposals; the verify keeps decoding lossless whatever they are.
+
+Time: the single-launch walk this replaces (its loads pipelined 3 positions deep) took 17 µs on an
+H200 for P = 7, k = 16, r = 256 at batch 1 (9% of the drafter's draft phase); the two launches here
+are not measured yet.
 """
 
 import torch
@@ -40,90 +61,142 @@ def selector_walk_ref(hh, cand_ids, unary, anchor, pred_codebook, succ_codebook)
     return torch.stack(out, dim=1)
 
 
-def _selector_walk_kernel(
+def selector_pair_table_ref(hh, cand_ids, anchor, pred_codebook, succ_codebook) -> torch.Tensor:
+    """The pair tables (N, P, k, k) fp32 in the twin's own arithmetic: entry [n, pos, j, c] is the pair term
+    :func:`selector_walk_ref` adds to candidate c of position pos when candidate j of position pos-1 (at pos 0:
+    the anchor, in every row j) was chosen, i.e. its ``pred * hh`` and einsum, for each j in turn."""
+    N, _, k = cand_ids.shape
+    prev = torch.cat([anchor[:, None, None].expand(N, 1, k), cand_ids[:, :-1]], dim=1)  # (N, P, k)
+    succ = succ_codebook[cand_ids]  # (N, P, k, r)
+    rows = [torch.einsum("npr,npkr->npk", pred_codebook[prev[:, :, j]] * hh, succ) for j in range(k)]
+    return torch.stack(rows, dim=2).float()
+
+
+def _selector_pair_kernel(
     hh_ptr,
     cand_ptr,
-    unary_ptr,
     anchor_ptr,
     pcb_ptr,
     scb_ptr,
-    out_ptr,
+    pair_ptr,
     P,
     K,
     R,
     BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
+    """One (row n, position pos): its k × k pair table (module docstring, step 1)."""
     n = tl.program_id(0).to(tl.int64)
+    pos = tl.program_id(1)
     dt = pcb_ptr.dtype.element_ty
     kk = tl.arange(0, BLOCK_K)
     rr = tl.arange(0, BLOCK_R)
     km, rm = kk < K, rr < R
-    anchor = tl.load(anchor_ptr + n)
-    pred = tl.load(pcb_ptr + anchor * R + rr, mask=rm, other=0.0).to(tl.float32)
-    # Why every load below is the position's own and none waits for the previous choice: the chosen
-    # token's predecessor row is picked out of the candidates' rows (loaded with the position) by the
-    # choice, in registers, instead of being read from memory once the choice is known. The walk took
-    # 18 µs for 7 positions on an H200 (one program); whether these loads now overlap the previous
-    # position's reductions is the compiler's choice, not measured yet: profile before claiming it.
-    # software-pipelined (tl.range): a position's loads (its hidden projection, candidates, their codebook rows,
-    # unary scores) do not depend on the previous choice, so the next STAGES-1 positions' loads are issued ahead
-    # while this one reduces and chooses; the arithmetic is unchanged (STAGES 1: one position at a time)
-    for pos in tl.range(0, P, num_stages=STAGES):
-        row = n * P + pos
-        h = tl.load(hh_ptr + row * R + rr, mask=rm, other=0.0).to(tl.float32)
-        ids = tl.load(cand_ptr + row * K + kk, mask=km, other=0)
-        rows_m = km[:, None] & rm[None, :]
-        succ = tl.load(scb_ptr + ids[:, None] * R + rr[None, :], mask=rows_m, other=0.0)
-        pred_rows = tl.load(pcb_ptr + ids[:, None] * R + rr[None, :], mask=rows_m, other=0.0).to(tl.float32)
-        unary = tl.load(unary_ptr + row * K + kk, mask=km, other=0.0)
-        ph = (pred * h).to(dt).to(tl.float32)  # pred * hh, rounded as the eager product
-        pair = tl.sum(ph[None, :] * succ.to(tl.float32), axis=1).to(dt).to(tl.float32)  # the bmm's output rounding
-        score = tl.where(km, unary + pair, float("-inf"))
-        choice = tl.argmax(score, axis=0, tie_break_left=True)
-        token = tl.sum(tl.where(kk == choice, ids, 0), axis=0)
-        tl.store(out_ptr + row, token)
-        # the next predecessor: row `choice` of the candidates' rows (a sum with one term: the value itself,
-        # except that a -0.0 entry comes back +0.0, which rounds every product and sum the same)
-        pred = tl.sum(tl.where((kk == choice)[:, None], pred_rows, 0.0), axis=0)
+    row = n * P + pos
+    h = tl.load(hh_ptr + row * R + rr, mask=rm, other=0.0).to(tl.float32)
+    ids = tl.load(cand_ptr + row * K + kk, mask=km, other=0)
+    # the predecessors: position pos-1's candidates; at pos 0 the anchor in every row (the walk starts at row 0,
+    # the others are equal); pos 0 reads its own row's ids instead of the previous row's, then drops them
+    first = pos == 0
+    prev = tl.load(cand_ptr + (row - 1 + first.to(tl.int64)) * K + kk, mask=km, other=0)
+    prev = tl.where(first, tl.load(anchor_ptr + n), prev)
+    rows_m = km[:, None] & rm[None, :]  # padded lanes load 0: padded j rows / c columns of the product are 0
+    pred = tl.load(pcb_ptr + prev[:, None] * R + rr[None, :], mask=rows_m, other=0.0).to(tl.float32)
+    succ = tl.load(scb_ptr + ids[:, None] * R + rr[None, :], mask=rows_m, other=0.0).to(tl.float32)
+    ph = (pred * h[None, :]).to(dt).to(tl.float32)  # pred * hh per predecessor, rounded as the eager product
+    # (k × r) · (r × k) in fp32 ("ieee": no TF32 rounding of the operands), then the bmm's output rounding
+    pair = tl.dot(ph, tl.trans(succ), input_precision="ieee").to(dt).to(tl.float32)
+    tl.store(pair_ptr + (row * K + kk[:, None]) * K + kk[None, :], pair, mask=km[:, None] & km[None, :])
 
 
-# software-pipeline stages of the walks' position loop (kernels/selector.py, selector_sample.py); 1 = none
-WALK_STAGES = 3
-
-
-def selector_walk(
-    hh, cand_ids, unary, anchor, pred_codebook, succ_codebook, *, stages: int = WALK_STAGES
-) -> torch.Tensor:
-    """tokens (N, P) long: the greedy walk; the Triton kernel on CUDA (and in ``on_cpu()``), else the twin.
-    stages: the kernel's pipeline depth over positions (the same arithmetic at any depth)."""
-    fits = (
+def operands_fit(hh, pred_codebook, succ_codebook) -> bool:
+    """Whether the kernels take these operands (else the twins run)."""
+    return (
         hh.dtype == pred_codebook.dtype == succ_codebook.dtype
-        and unary.dtype == torch.float32
         and pred_codebook.is_contiguous()
         and succ_codebook.is_contiguous()
     )
-    if not use_triton(hh) or not fits:
-        return selector_walk_ref(hh, cand_ids, unary, anchor, pred_codebook, succ_codebook)
+
+
+def selector_pair_table(hh, cand_ids, anchor, pred_codebook, succ_codebook) -> torch.Tensor:
+    """The pair tables (N, P, k, k) fp32 of :func:`selector_pair_table_ref`: one launch of (N, P) programs where
+    the kernels run (shared by both walks: this one and kernels/selector_sample.py's), else the twin."""
+    if not use_triton(hh) or not operands_fit(hh, pred_codebook, succ_codebook):
+        return selector_pair_table_ref(hh, cand_ids, anchor, pred_codebook, succ_codebook)
     N, P, K = cand_ids.shape
     R = hh.shape[-1]
-    out = torch.empty(N, P, dtype=torch.long, device=hh.device)
-    block_r = max(triton_next_pow2(R), 16)
-    jit(_selector_walk_kernel)[(N,)](
+    pair = torch.empty(N, P, K, K, dtype=torch.float32, device=hh.device)
+    block_r = max(triton_next_pow2(R), 16)  # ≥ 16: tl.dot's smallest tile
+    jit(_selector_pair_kernel)[(N, P)](
         hh.contiguous(),
         cand_ids.contiguous(),
-        unary.contiguous(),
         anchor.contiguous(),
         pred_codebook,
         succ_codebook,
-        out,
+        pair,
         P,
         K,
         R,
         BLOCK_K=max(triton_next_pow2(K), 16),
         BLOCK_R=block_r,
         num_warps=4 if block_r >= 256 else 1,
-        STAGES=stages,
     )
+    return pair
+
+
+def walk_blocks(P: int, K: int) -> dict:
+    """The walk kernels' tiles: BLOCK_P positions (≥ 2, so no tensor has a dimension of 1), BLOCK_K candidates
+    (≥ 16), and warps for their (BLOCK_P · BLOCK_K) × BLOCK_K tiles held through the walk: at P 15, k 16 one
+    is 16 × 16 × 16 fp32, 32 a thread with 4 warps (the greedy walk holds one, its scores; the sampled two,
+    its probs and race ratios)."""
+    return dict(BLOCK_P=max(triton_next_pow2(P), 2), BLOCK_K=max(triton_next_pow2(K), 16), num_warps=4)
+
+
+def _selector_walk_kernel(
+    pair_ptr,
+    cand_ptr,
+    unary_ptr,
+    out_ptr,
+    P,
+    K,
+    BLOCK_P: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One row: the greedy walk over its pair tables (module docstring, step 2)."""
+    n = tl.program_id(0).to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    km = kk < K
+    # every (position, predecessor j) pair as one row of a 2-D tile: tt = pos · BLOCK_K + j (no 3-D tensors)
+    tt = tl.arange(0, BLOCK_P * BLOCK_K)
+    tp, tj = tt // BLOCK_K, tt % BLOCK_K
+    tile_m = ((tp < P) & (tj < K))[:, None] & km[None, :]
+    pair = tl.load(pair_ptr + ((n * P + tp[:, None]) * K + tj[:, None]) * K + kk[None, :], mask=tile_m, other=0.0)
+    # a position's unary scores once per row j of its table (the same k values: cache hits, no reshape of tiles)
+    unary = tl.load(unary_ptr + (n * P + tp[:, None]) * K + kk[None, :], mask=tile_m, other=0.0)
+    # the scores of every edge, before the walk: the chain below only selects a row and takes its argmax
+    score = tl.where(km[None, :], unary + pair, float("-inf"))
+    pp = tl.arange(0, BLOCK_P)
+    choices = tl.zeros([BLOCK_P], dtype=tl.int32)
+    choice = tl.zeros([], dtype=tl.int32)  # position 0's table has the anchor in every row: take row 0
+    for pos in range(P):
+        # row `choice` of position pos's scores (a max of that row and -inf fill: the row itself)
+        row = tl.max(tl.where((tt == pos * BLOCK_K + choice)[:, None], score, float("-inf")), axis=0)
+        choice = tl.argmax(row, axis=0, tie_break_left=True)
+        choices = tl.where(pp == pos, choice, choices)
+    # the tokens: each position's candidate id at its choice (off the chain, after it)
+    pk = (pp < P)[:, None] & km[None, :]
+    ids = tl.load(cand_ptr + (n * P + pp[:, None]) * K + kk[None, :], mask=pk, other=0)
+    tokens = tl.sum(tl.where(kk[None, :] == choices[:, None], ids, 0), axis=1)
+    tl.store(out_ptr + n * P + pp, tokens, mask=pp < P)
+
+
+def selector_walk(hh, cand_ids, unary, anchor, pred_codebook, succ_codebook) -> torch.Tensor:
+    """tokens (N, P) long: the greedy walk; the Triton kernels on CUDA (and in ``on_cpu()``: the pair tables,
+    then the walk), else the twin."""
+    if not use_triton(hh) or not operands_fit(hh, pred_codebook, succ_codebook) or unary.dtype != torch.float32:
+        return selector_walk_ref(hh, cand_ids, unary, anchor, pred_codebook, succ_codebook)
+    N, P, K = cand_ids.shape
+    pair = selector_pair_table(hh, cand_ids, anchor, pred_codebook, succ_codebook)
+    out = torch.empty(N, P, dtype=torch.long, device=hh.device)
+    jit(_selector_walk_kernel)[(N,)](pair, cand_ids.contiguous(), unary.contiguous(), out, P, K, **walk_blocks(P, K))
     return out

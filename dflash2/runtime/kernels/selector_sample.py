@@ -1,25 +1,34 @@
-"""The DFlash2 selector's T>0 walk over one block in one launch (twin: the sampled walk's eager ops).
+"""The DFlash2 selector's T>0 walk over one block in two launches (twin: the sampled walk's eager ops).
 
 At T>0 the selector samples position by position from softmax(edge scores / T) over its k
 candidates, given the *sampled* predecessor (``CandidateSelector.sample_path``; selector_path.py's
 ``selector_sample_sparse`` keeps q sparse). Eagerly a position is about ten launches (its hidden
 projection, the pair term's product and bmm, the add, the scale, the softmax, the race draw, the
-divide, the argmax, the predecessor gather). Here one program per row walks all P positions as
-kernels/selector.py's greedy walk does (the same scores, rounded the same way), and per position
+divide, the argmax, the predecessor gather). Here, as kernels/selector.py's greedy walk does, the
+pair tables (N, P, k, k) fp32 of every position and every predecessor candidate come first, from the
+same launch (``selector_pair_table``: the same scores, rounded the same way), then one program per
+row walks all P positions. What a position's draw needs but its predecessor does not decide is made
+before the walk, for every (position, predecessor j) row of the tables at once:
 
-    x    = score · (1 / T)                          (fp32; torch scales by a CPU scalar so on CUDA)
+    x    = (unary + pair) · (1 / T)                 (fp32; torch scales by a CPU scalar so on CUDA)
     prob = exp(x − max x) / Σ exp(x − max x)        (the softmax over the k candidates)
     pick = argmax(prob / race[pos])                 (the exponential race: a draw from prob)
 
-writing prob (the q of that position, on the k candidate ids) and the picked token. The races
-(P, N, k) fp32 are drawn before the launch in torch, P draws of (N, k) in the order the eager walk
-draws them, so the generator advances alike (also one registered with a CUDA graph).
+so the chain of a position is only the select of row ``choice`` (the previous pick) and the argmax
+of its prob / race; the walk writes that row's prob (the q of that position, on the k candidate ids)
+and, after the walk, the picked tokens. Making the softmax of all k rows costs k times the exps of
+one (16 × 16 per position at the drafter's k = 16), off the chain. The races (P, N, k) fp32 are drawn
+before the launches in torch, P draws of (N, k) in the order the eager walk draws them, so the
+generator advances alike (also one registered with a CUDA graph).
 
 Why the rounding does not matter for losslessness: the kernel draws from the prob it returns as q,
 so the proposal's q is exactly the distribution its draft was drawn from, which is all rejection
 sampling needs. Against the twin the scores differ as in the greedy walk (dot order), and exp and
 the softmax's sum are Triton's, so probs agree to a few ulps and a near-tie of prob / race may pick
 the other candidate (then the walks diverge: another, equally valid, proposal).
+
+Time: these two launches are not measured yet (the greedy walk's figure before the tables:
+kernels/selector.py's docstring).
 
 Shapes: N rows, P positions, k candidates, r selector rank, V vocabulary.
 """
@@ -29,8 +38,7 @@ import torch.nn.functional as F
 import triton.language as tl
 
 from dflash2.runtime.kernels import jit, use_triton
-from dflash2.runtime.kernels.norm import triton_next_pow2
-from dflash2.runtime.kernels.selector import WALK_STAGES
+from dflash2.runtime.kernels.selector import operands_fit, selector_pair_table, walk_blocks
 
 
 def selector_sample_walk_ref(hh, cand_ids, unary, anchor, pred_codebook, succ_codebook, temperature, races):
@@ -53,12 +61,9 @@ def selector_sample_walk_ref(hh, cand_ids, unary, anchor, pred_codebook, succ_co
 
 
 def _selector_sample_kernel(
-    hh_ptr,
+    pair_ptr,
     cand_ptr,
     unary_ptr,
-    anchor_ptr,
-    pcb_ptr,
-    scb_ptr,
     race_ptr,
     out_ptr,
     probs_ptr,
@@ -66,68 +71,57 @@ def _selector_sample_kernel(
     N,
     P,
     K,
-    R,
+    BLOCK_P: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
+    """One row: the sampled walk over its pair tables (kernels/selector.py's ``selector_pair_table``)."""
     n = tl.program_id(0).to(tl.int64)
-    dt = pcb_ptr.dtype.element_ty
     kk = tl.arange(0, BLOCK_K)
-    rr = tl.arange(0, BLOCK_R)
-    km, rm = kk < K, rr < R
-    anchor = tl.load(anchor_ptr + n)
-    pred = tl.load(pcb_ptr + anchor * R + rr, mask=rm, other=0.0).to(tl.float32)
-    # software-pipelined (tl.range): a position's loads (its hidden projection, candidates, their codebook rows,
-    # unary scores) do not depend on the previous choice, so the next STAGES-1 positions' loads are issued ahead
-    # while this one reduces and chooses; the arithmetic is unchanged (STAGES 1: one position at a time)
-    for pos in tl.range(0, P, num_stages=STAGES):
-        row = n * P + pos
-        h = tl.load(hh_ptr + row * R + rr, mask=rm, other=0.0).to(tl.float32)
-        ids = tl.load(cand_ptr + row * K + kk, mask=km, other=0)
-        rows_m = km[:, None] & rm[None, :]
-        succ = tl.load(scb_ptr + ids[:, None] * R + rr[None, :], mask=rows_m, other=0.0)
-        pred_rows = tl.load(pcb_ptr + ids[:, None] * R + rr[None, :], mask=rows_m, other=0.0).to(tl.float32)
-        unary = tl.load(unary_ptr + row * K + kk, mask=km, other=0.0)
-        race = tl.load(race_ptr + (pos * N + n) * K + kk, mask=km, other=1.0)
-        # the edge scores exactly as kernels/selector.py's greedy walk rounds them
-        ph = (pred * h).to(dt).to(tl.float32)
-        pair = tl.sum(ph[None, :] * succ.to(tl.float32), axis=1).to(dt).to(tl.float32)
-        x = tl.where(km, (unary + pair) * inv_t, float("-inf"))
-        e = tl.exp(x - tl.max(x, axis=0))  # 0 on the padding lanes
-        prob = tl.div_rn(e, tl.sum(e, axis=0))
-        tl.store(probs_ptr + row * K + kk, prob, mask=km)
-        choice = tl.argmax(tl.where(km, tl.div_rn(prob, race), -1.0), axis=0, tie_break_left=True)
-        tl.store(out_ptr + row, tl.sum(tl.where(kk == choice, ids, 0), axis=0))
-        # the next predecessor: row `choice` of the candidates' rows (as in the greedy walk)
-        pred = tl.sum(tl.where((kk == choice)[:, None], pred_rows, 0.0), axis=0)
+    km = kk < K
+    # every (position, predecessor j) pair as one row of a 2-D tile, tt = pos · BLOCK_K + j, as in the greedy walk
+    tt = tl.arange(0, BLOCK_P * BLOCK_K)
+    tp, tj = tt // BLOCK_K, tt % BLOCK_K
+    tile_m = ((tp < P) & (tj < K))[:, None] & km[None, :]
+    pair = tl.load(pair_ptr + ((n * P + tp[:, None]) * K + tj[:, None]) * K + kk[None, :], mask=tile_m, other=0.0)
+    unary = tl.load(unary_ptr + (n * P + tp[:, None]) * K + kk[None, :], mask=tile_m, other=0.0)
+    race = tl.load(race_ptr + (tp[:, None] * N + n) * K + kk[None, :], mask=tile_m, other=1.0)
+    # the softmax of every (position, j) row and its race ratios, before the walk (padded rows: all-zero scores,
+    # a finite uniform softmax never read): the chain below only selects a row and takes its argmax
+    x = tl.where(km[None, :], (unary + pair) * inv_t, float("-inf"))
+    e = tl.exp(x - tl.max(x, axis=1)[:, None])  # 0 on the padding lanes
+    prob = tl.div_rn(e, tl.sum(e, axis=1)[:, None])
+    ratio = tl.where(km[None, :], tl.div_rn(prob, race), -1.0)  # argmax: the exponential race's draw from prob
+    pp = tl.arange(0, BLOCK_P)
+    choices = tl.zeros([BLOCK_P], dtype=tl.int32)
+    choice = tl.zeros([], dtype=tl.int32)  # position 0's table has the anchor in every row: take row 0
+    for pos in range(P):
+        at = (tt == pos * BLOCK_K + choice)[:, None]
+        # the row's q (a sum with one term: the value itself; probs are ≥ 0, never -0.0), stored off the chain
+        tl.store(probs_ptr + (n * P + pos) * K + kk, tl.sum(tl.where(at, prob, 0.0), axis=0), mask=km)
+        choice = tl.argmax(tl.max(tl.where(at, ratio, -1.0), axis=0), axis=0, tie_break_left=True)
+        choices = tl.where(pp == pos, choice, choices)
+    # the tokens: each position's candidate id at its choice (off the chain, after it)
+    pk = (pp < P)[:, None] & km[None, :]
+    ids = tl.load(cand_ptr + (n * P + pp[:, None]) * K + kk[None, :], mask=pk, other=0)
+    tokens = tl.sum(tl.where(kk[None, :] == choices[:, None], ids, 0), axis=1)
+    tl.store(out_ptr + n * P + pp, tokens, mask=pp < P)
 
 
-def selector_sample_walk(
-    hh, cand_ids, unary, anchor, pred_codebook, succ_codebook, temperature, races, *, stages: int = WALK_STAGES
-):
-    """tokens (N, P) long, probs (N, P, k) fp32: the sampled walk; the Triton kernel on CUDA (and in
-    ``on_cpu()``), else the twin. Arguments: see :func:`selector_sample_walk_ref`; stages: as selector_walk's."""
-    fits = (
-        hh.dtype == pred_codebook.dtype == succ_codebook.dtype
-        and unary.dtype == races.dtype == torch.float32
-        and pred_codebook.is_contiguous()
-        and succ_codebook.is_contiguous()
-    )
+def selector_sample_walk(hh, cand_ids, unary, anchor, pred_codebook, succ_codebook, temperature, races):
+    """tokens (N, P) long, probs (N, P, k) fp32: the sampled walk; the Triton kernels on CUDA (and in
+    ``on_cpu()``: the greedy walk's pair tables, then this walk), else the twin. Arguments: see
+    :func:`selector_sample_walk_ref`."""
+    fits = operands_fit(hh, pred_codebook, succ_codebook) and unary.dtype == races.dtype == torch.float32
     if not use_triton(hh) or not fits:
         return selector_sample_walk_ref(hh, cand_ids, unary, anchor, pred_codebook, succ_codebook, temperature, races)
     N, P, K = cand_ids.shape
-    R = hh.shape[-1]
+    pair = selector_pair_table(hh, cand_ids, anchor, pred_codebook, succ_codebook)
     out = torch.empty(N, P, dtype=torch.long, device=hh.device)
     probs = torch.empty(N, P, K, dtype=torch.float32, device=hh.device)
-    block_r = max(triton_next_pow2(R), 16)
     jit(_selector_sample_kernel)[(N,)](
-        hh.contiguous(),
+        pair,
         cand_ids.contiguous(),
         unary.contiguous(),
-        anchor.contiguous(),
-        pred_codebook,
-        succ_codebook,
         races.contiguous(),
         out,
         probs,
@@ -135,10 +129,6 @@ def selector_sample_walk(
         N,
         P,
         K,
-        R,
-        BLOCK_K=max(triton_next_pow2(K), 16),
-        BLOCK_R=block_r,
-        num_warps=4 if block_r >= 256 else 1,
-        STAGES=stages,
+        **walk_blocks(P, K),
     )
     return out, probs
