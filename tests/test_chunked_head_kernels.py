@@ -124,6 +124,19 @@ def test_backward_kernel_equals_its_twin(device, dtype, in_place, interpret):
 
 
 @pytest.mark.parametrize("device", kernel_devices())
+def test_a_nan_gradient_stays_nan_in_bf16(device, interpret):
+    """The bf16 rounding's integer add must not carry a NaN (any sign or payload) into ±0 or inf."""
+    raw, labels = _logits(4, 777, torch.bfloat16, device, seed=5)
+    lse = ce_kernels.ce_forward_ref(raw, labels)[0]
+    nans = torch.tensor([0x7FFFFFFF, -1, 0x7F800001, 0x7FC00000], dtype=torch.int32).view(
+        torch.float32
+    )  # -1: 0xFFFFFFFF
+    got = ce_kernels.ce_backward(raw.clone(), lse, labels, nans.to(device), block=256)
+    assert torch.isnan(got.float()).all()
+    assert torch.isnan(ce_kernels.ce_backward_ref(raw, lse, labels, nans.to(device)).float()).all()
+
+
+@pytest.mark.parametrize("device", kernel_devices())
 def test_backward_kernel_takes_an_expanded_upstream_gradient(device, interpret):
     """``ce.sum().backward()`` hands the Function a stride-0 gradient."""
     raw, labels = _logits(4, 999, torch.bfloat16, device, seed=3)

@@ -226,6 +226,25 @@ def test_local_conv_is_the_module():
 WALK_SIZES = [(3, 6, 5, 40, 24), (1, 15, 16, 300, 256), (3, 15, 16, 300, 256), (3, 1, 5, 40, 24), (2, 7, 19, 64, 100)]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_nan_score_is_chosen_as_torch_argmax_chooses_it(interpret, dtype):
+    """torch.argmax takes a NaN as the largest (its first NaN); the walks must too, never a padded lane (k = 5 is
+    padded to 16). Greedy: the NaN candidate's token; sampled: a NaN prob row is still a real candidate."""
+    from dflash2.runtime.kernels.selector_sample import selector_sample_walk, selector_sample_walk_ref
+
+    for device in kernel_devices():
+        hh, cand_ids, unary, anchor, pcb, scb = _walk_case(dtype, device, 3, 6, 5, 40, 24)
+        unary[1, 2, 3] = float("nan")  # row 1, position 2, candidate 3
+        got = selector_walk(hh, cand_ids, unary, anchor, pcb, scb)
+        assert torch.equal(got, selector_walk_ref(hh, cand_ids, unary, anchor, pcb, scb))
+        assert got[1, 2] == cand_ids[1, 2, 3]
+        races = torch.ones(6, 3, 5, device=device)
+        tokens, _ = selector_sample_walk(hh, cand_ids, unary, anchor, pcb, scb, 0.8, races)
+        want, _ = selector_sample_walk_ref(hh, cand_ids, unary, anchor, pcb, scb, 0.8, races)
+        assert torch.equal(tokens[1, :3], want[1, :3])  # up to and at the NaN position: the twin's choices
+        assert bool((tokens[..., None] == cand_ids).any(-1).all())  # every token one of its candidates
+
+
 def _walk_case(dtype, device, N, P, k, V, r, seed=4):
     g = torch.Generator().manual_seed(seed)
     pcb, scb = (torch.randn(V, r, generator=g).to(device, dtype) for _ in range(2))

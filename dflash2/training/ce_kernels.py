@@ -167,10 +167,12 @@ def _ce_combine_kernel(
 @triton.jit
 def _rtne_bf16(x):
     """fp32 x rounded to the nearest bf16, ties to even (what torch's ``.to(torch.bfloat16)`` does), in integer
-    ops: Triton's own cast rounds so on GPUs but truncates in the interpreter. Finite x (NaN not kept)."""
+    ops: Triton's own cast rounds so on GPUs but truncates in the interpreter. A NaN stays a NaN (the integer
+    add would carry it into ±0 or inf): it goes through the plain cast, which keeps NaN either way."""
     bits = x.to(tl.uint32, bitcast=True)
     bits = bits + 0x7FFF + ((bits >> 16) & 1)
-    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return tl.where(x != x, x.to(tl.bfloat16), rounded)
 
 
 def _ce_backward_kernel(

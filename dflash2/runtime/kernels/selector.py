@@ -149,7 +149,9 @@ def walk_blocks(P: int, K: int) -> dict:
     (≥ 16), and warps for their (BLOCK_P · BLOCK_K) × BLOCK_K tiles held through the walk: at P 15, k 16 one
     is 16 × 16 × 16 fp32, 32 a thread with 4 warps (the greedy walk holds one, its scores; the sampled two,
     its probs and race ratios)."""
-    return dict(BLOCK_P=max(triton_next_pow2(P), 2), BLOCK_K=max(triton_next_pow2(K), 16), num_warps=4)
+    bp, bk = max(triton_next_pow2(P), 2), max(triton_next_pow2(K), 16)
+    # the (BLOCK_P · BLOCK_K, BLOCK_K) fp32 tiles at ≤ ~64 values per thread (k ≤ 16 at P 15: 4 warps)
+    return dict(BLOCK_P=bp, BLOCK_K=bk, num_warps=min(16, max(4, bp * bk * bk // 1024)))
 
 
 def _selector_walk_kernel(
@@ -174,7 +176,9 @@ def _selector_walk_kernel(
     # a position's unary scores once per row j of its table (the same k values: cache hits, no reshape of tiles)
     unary = tl.load(unary_ptr + (n * P + tp[:, None]) * K + kk[None, :], mask=tile_m, other=0.0)
     # the scores of every edge, before the walk: the chain below only selects a row and takes its argmax
-    score = tl.where(km[None, :], unary + pair, float("-inf"))
+    score = unary + pair
+    # a NaN score as +inf: torch.argmax takes a NaN as the largest, and a NaN must not lose to a padded lane
+    score = tl.where(km[None, :], tl.where(score != score, float("inf"), score), float("-inf"))
     pp = tl.arange(0, BLOCK_P)
     choices = tl.zeros([BLOCK_P], dtype=tl.int32)
     choice = tl.zeros([], dtype=tl.int32)  # position 0's table has the anchor in every row: take row 0

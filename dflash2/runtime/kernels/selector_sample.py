@@ -90,7 +90,9 @@ def _selector_sample_kernel(
     x = tl.where(km[None, :], (unary + pair) * inv_t, float("-inf"))
     e = tl.exp(x - tl.max(x, axis=1)[:, None])  # 0 on the padding lanes
     prob = tl.div_rn(e, tl.sum(e, axis=1)[:, None])
-    ratio = tl.where(km[None, :], tl.div_rn(prob, race), -1.0)  # argmax: the exponential race's draw from prob
+    ratio = tl.div_rn(prob, race)  # argmax: the exponential race's draw from prob
+    # a NaN ratio as +inf (torch.argmax takes a NaN as the largest; a padded lane must never win)
+    ratio = tl.where(km[None, :], tl.where(ratio != ratio, float("inf"), ratio), -1.0)
     pp = tl.arange(0, BLOCK_P)
     choices = tl.zeros([BLOCK_P], dtype=tl.int32)
     choice = tl.zeros([], dtype=tl.int32)  # position 0's table has the anchor in every row: take row 0
@@ -125,7 +127,8 @@ def selector_sample_walk(hh, cand_ids, unary, anchor, pred_codebook, succ_codebo
         races.contiguous(),
         out,
         probs,
-        1.0 / temperature,
+        # 1 / T as torch scales on CUDA: fp32(T), then its fp32 reciprocal (not a double's, rounded)
+        float(torch.tensor(temperature, dtype=torch.float32).reciprocal()),
         N,
         P,
         K,
