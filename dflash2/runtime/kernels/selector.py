@@ -40,6 +40,7 @@ are not measured yet.
 """
 
 import torch
+import triton
 import triton.language as tl
 
 from dflash2.runtime.kernels import jit, use_triton
@@ -154,6 +155,22 @@ def walk_blocks(P: int, K: int) -> dict:
     return dict(BLOCK_P=bp, BLOCK_K=bk, num_warps=min(16, max(4, bp * bk * bk // 1024)))
 
 
+@triton.jit
+def _edge_tiles(pair_ptr, unary_ptr, n, P, K, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Row n's pair tables and unary scores as (BLOCK_P · BLOCK_K, BLOCK_K) tiles, shared by both walks: every
+    (position, predecessor j) pair one row, tt = pos · BLOCK_K + j (no 3-D tensors); a position's unary scores
+    once per row j of its table (the same k values: cache hits, no reshape of tiles). Padded lanes load 0.
+    Returns (kk, km, tt, tp, tile_m, pair, unary)."""
+    kk = tl.arange(0, BLOCK_K)
+    km = kk < K
+    tt = tl.arange(0, BLOCK_P * BLOCK_K)
+    tp, tj = tt // BLOCK_K, tt % BLOCK_K
+    tile_m = ((tp < P) & (tj < K))[:, None] & km[None, :]
+    pair = tl.load(pair_ptr + ((n * P + tp[:, None]) * K + tj[:, None]) * K + kk[None, :], mask=tile_m, other=0.0)
+    unary = tl.load(unary_ptr + (n * P + tp[:, None]) * K + kk[None, :], mask=tile_m, other=0.0)
+    return kk, km, tt, tp, tile_m, pair, unary
+
+
 def _selector_walk_kernel(
     pair_ptr,
     cand_ptr,
@@ -166,15 +183,7 @@ def _selector_walk_kernel(
 ):
     """One row: the greedy walk over its pair tables (module docstring, step 2)."""
     n = tl.program_id(0).to(tl.int64)
-    kk = tl.arange(0, BLOCK_K)
-    km = kk < K
-    # every (position, predecessor j) pair as one row of a 2-D tile: tt = pos · BLOCK_K + j (no 3-D tensors)
-    tt = tl.arange(0, BLOCK_P * BLOCK_K)
-    tp, tj = tt // BLOCK_K, tt % BLOCK_K
-    tile_m = ((tp < P) & (tj < K))[:, None] & km[None, :]
-    pair = tl.load(pair_ptr + ((n * P + tp[:, None]) * K + tj[:, None]) * K + kk[None, :], mask=tile_m, other=0.0)
-    # a position's unary scores once per row j of its table (the same k values: cache hits, no reshape of tiles)
-    unary = tl.load(unary_ptr + (n * P + tp[:, None]) * K + kk[None, :], mask=tile_m, other=0.0)
+    kk, km, tt, _tp, _mask, pair, unary = _edge_tiles(pair_ptr, unary_ptr, n, P, K, BLOCK_P, BLOCK_K)
     # the scores of every edge, before the walk: the chain below only selects a row and takes its argmax
     score = unary + pair
     # a NaN score as +inf: torch.argmax takes a NaN as the largest, and a NaN must not lose to a padded lane

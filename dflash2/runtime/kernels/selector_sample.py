@@ -38,7 +38,7 @@ import torch.nn.functional as F
 import triton.language as tl
 
 from dflash2.runtime.kernels import jit, use_triton
-from dflash2.runtime.kernels.selector import operands_fit, selector_pair_table, walk_blocks
+from dflash2.runtime.kernels.selector import _edge_tiles, operands_fit, selector_pair_table, walk_blocks
 
 
 def selector_sample_walk_ref(hh, cand_ids, unary, anchor, pred_codebook, succ_codebook, temperature, races):
@@ -76,14 +76,8 @@ def _selector_sample_kernel(
 ):
     """One row: the sampled walk over its pair tables (kernels/selector.py's ``selector_pair_table``)."""
     n = tl.program_id(0).to(tl.int64)
-    kk = tl.arange(0, BLOCK_K)
-    km = kk < K
-    # every (position, predecessor j) pair as one row of a 2-D tile, tt = pos · BLOCK_K + j, as in the greedy walk
-    tt = tl.arange(0, BLOCK_P * BLOCK_K)
-    tp, tj = tt // BLOCK_K, tt % BLOCK_K
-    tile_m = ((tp < P) & (tj < K))[:, None] & km[None, :]
-    pair = tl.load(pair_ptr + ((n * P + tp[:, None]) * K + tj[:, None]) * K + kk[None, :], mask=tile_m, other=0.0)
-    unary = tl.load(unary_ptr + (n * P + tp[:, None]) * K + kk[None, :], mask=tile_m, other=0.0)
+    # the greedy walk's tiles (kernels/selector.py _edge_tiles), plus this row's races in the same layout
+    kk, km, tt, tp, tile_m, pair, unary = _edge_tiles(pair_ptr, unary_ptr, n, P, K, BLOCK_P, BLOCK_K)
     race = tl.load(race_ptr + (tp[:, None] * N + n) * K + kk[None, :], mask=tile_m, other=1.0)
     # the softmax of every (position, j) row and its race ratios, before the walk (padded rows: all-zero scores,
     # a finite uniform softmax never read): the chain below only selects a row and takes its argmax
