@@ -11,7 +11,10 @@ Tolerances:
   the interpreter); rounded to bf16, adjacent bf16 values at most (one unit in the last place where the
   rounding of the fp32 product flips);
 * the gradient w.r.t. hidden, after the matmul: fp32 defaults for an fp32 head, one bf16 ulp (2^-7 relative)
-  for a bf16 head, as tests/test_chunked_head.py's bf16 comparisons.
+  for a bf16 head under the interpreter, as tests/test_chunked_head.py's bf16 comparisons; a bf16 head on a
+  GPU, where ex2.approx flips a few pre-matmul entries to the adjacent bf16 value (each moving a hidden
+  gradient by ~2^-9·|W|, however small that gradient is): its error against the exact fp32 gradient no
+  larger than the torch passes' (within 25%).
 The interpreter is slow: small V (odd, not a multiple of the tile) and a few dozen positions.
 """
 
@@ -195,10 +198,20 @@ def test_fused_path_equals_the_plain_path_and_the_torch_passes(device, dtype, ch
     out, grad = _run(_chunked(weight, bias, labels, chunk, True), hidden, upstream)
     chunks = -(-M // chunk)
     assert calls == ["ce_forward"] * chunks + ["ce_backward"] * chunks  # the kernels did run
+    # bf16 on a GPU: the kernel's exp (ex2.approx) is not torch's, so a few (softmax - onehot)·g entries round
+    # to the adjacent bf16 value, and one such flip moves a hidden gradient by ~2^-9·|W| however small that
+    # gradient is: there the check is against the exact (fp32) gradient, no farther than the torch passes'
+    strict_grad = dtype == torch.float32 or device == "cpu"
+    if dtype == torch.bfloat16:
+        exact = _run(_plain(weight.float(), bias.float(), labels), hidden.float(), upstream)[1]
+        error = {name: ((g.float() - exact).norm() / exact.norm()).item() for name, g in
+                 (("kernels", grad), ("torch passes", torch_grad), ("plain", ref_grad))}
+        assert error["kernels"] <= 1.25 * max(error["torch passes"], error["plain"]), error
     tol = {} if dtype == torch.float32 else BF16_TOL
     for want, want_grad in ((ref, ref_grad), (torch_passes, torch_grad)):
         torch.testing.assert_close(out.ce, want.ce)
-        torch.testing.assert_close(grad, want_grad, **tol)
+        if strict_grad:
+            torch.testing.assert_close(grad, want_grad, **tol)
         assert torch.equal(out.argmax, want.argmax) and torch.equal(out.top_ids, want.top_ids)
         torch.testing.assert_close(out.top_raw, want.top_raw)
         torch.testing.assert_close(out.label_raw, want.label_raw)
@@ -302,8 +315,9 @@ def _module_and_batch(make_spec_target, make_spec_drafter, loss_kernels):
     return module, {"input_ids": ids, "loss_mask": (torch.arange(24) >= 8).long().expand(2, 24)}
 
 
+@pytest.mark.parametrize("device", kernel_devices())
 def test_a_training_step_with_the_kernels_equals_the_torch_passes(
-    make_spec_target, make_spec_drafter, monkeypatch, interpret
+    device, make_spec_target, make_spec_drafter, monkeypatch, interpret
 ):
     """One block_outputs + backward of the training module built from the drafter settings (DFlash2: the
     selector reads the top-k and the label's logit), drafter.loss_kernels on against off: losses,
@@ -321,6 +335,9 @@ def test_a_training_step_with_the_kernels_equals_the_torch_passes(
     outs, grads = {}, {}
     for flag in (False, True):
         module, batch = _module_and_batch(make_spec_target, make_spec_drafter, flag)
+        module.to(device)
+        module._sync_target_device()
+        batch = {k: v.to(device) for k, v in batch.items()}
         assert module.loss_kernels is flag and module.with_drafter(module.drafter).loss_kernels is flag
         out = module.block_outputs(batch, anchor_generator(0, 0))
         out["loss"].backward()

@@ -196,6 +196,12 @@ def test_bucketed_prefill_is_passed_on_and_recorded(tmp_path, monkeypatch, capsy
     assert res["gc_pause"] is True and all(kw["gc_pause"] is True for kw in made)
     assert res["overlap_context"] is False and all(kw["overlap_context"] is False for kw in made)
     assert res["gc_frozen_objects"] > 1000 and gc.get_freeze_count() == 0  # frozen for the run, thawed after
+    # the collections during the run, counted and timed (the counting itself: tests/test_runtime_gc_watch.py),
+    # reach results.json and the table's header
+    stats = res["gc_collections"]
+    assert set(stats) == {"gen0", "gen1", "gen2"} and all(s["max_ms"] <= s["total_ms"] for s in stats.values())
+    g2 = stats["gen2"]
+    assert f"gen 2: {g2['collections']} (longest {g2['max_ms']:.1f} ms" in (out / "results.md").read_text()
     md = (out / "results.md").read_text()
     assert res["batches"]["1"]["prefill_widths"] == [16]  # the bucketed prefill really ran, at width 16
     assert "Prefill: padded to a bucket for prompts ≤ 16 tokens, a CUDA graph on a GPU (longer: eager); " in md

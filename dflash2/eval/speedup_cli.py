@@ -87,12 +87,15 @@ def _measure(cfg, modes, gemm) -> dict:
     sampling = sampling_settings(cfg)
     pair = build_pair(cfg)
     taus = [float(t) for t in cfg.predict_taus] if pair.random else []
-    # the models are loaded: freeze the heap so that collections in the timed loops stay small (heap_frozen)
-    with heap_frozen(bool(cfg.get("gc_freeze", True))) as frozen:
-        return _run(cfg, modes, gemm, pair, taus, sampling, frozen)
+    from dflash2.runtime.gc_watch import collections_logged
+
+    # the models are loaded: freeze the heap so that collections in the timed loops stay small (heap_frozen);
+    # every collection from here on is counted and timed, to set beside the longest steps (gc_watch.py)
+    with heap_frozen(bool(cfg.get("gc_freeze", True))) as frozen, collections_logged() as collections:
+        return _run(cfg, modes, gemm, pair, taus, sampling, frozen, collections)
 
 
-def _run(cfg, modes, gemm, pair, taus, sampling, frozen: int) -> dict:
+def _run(cfg, modes, gemm, pair, taus, sampling, frozen: int, collections) -> dict:
     from dflash2.eval.speedup import run_speedup
 
     results = run_speedup(
@@ -114,6 +117,7 @@ def _run(cfg, modes, gemm, pair, taus, sampling, frozen: int) -> dict:
             "attention_setting": cfg.attention or "default",
             "gemm_setting": gemm or "cublas",
             "gc_frozen_objects": frozen,  # 0: gc_freeze=false
+            "gc_collections": collections.stats,  # filled in as the run goes (gc_watch.CollectionLog)
         },
         sampling=sampling,
         seed=int(cfg.seed),

@@ -71,6 +71,7 @@ def markdown(results: dict) -> str:
             if results.get("gc_frozen_objects")
             else ""
         )
+        + _collections(results.get("gc_collections"))
         + (
             " The drafter's context K/V written in line after the last tapped target layer, not beside the rest."
             if results.get("overlap_context") is False
@@ -234,6 +235,17 @@ def plot_breakdown(results: dict, path: Path) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def _collections(stats: dict | None) -> str:
+    """The sentence on Python's garbage collections during the measurement (dflash2/runtime/gc_watch.py)."""
+    if not stats:
+        return ""
+    parts = [
+        f"gen {g[-1]}: {s['collections']} (longest {s['max_ms']:.1f} ms, total {s['total_ms']:.0f} ms)"
+        for g, s in stats.items()
+    ]
+    return " Python garbage collections from loading to the end (steps, prefills, checks): " + "; ".join(parts) + "."
 
 
 def write_results(results: dict, out: Path) -> None:

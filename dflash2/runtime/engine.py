@@ -192,25 +192,31 @@ def collector_paused(pause: bool = True):
 @contextmanager
 def heap_frozen(freeze: bool = True):
     """Inside (when ``freeze``): one full collection, then every object the cyclic GC tracks moved to its
-    permanent generation (``gc.freeze``), so later collections walk only what is made afterwards; after:
-    ``gc.unfreeze()``. Yields the number of frozen objects (0 when off, or when the caller had frozen objects
-    already: their heap is left as it is).
+    permanent generation (``gc.freeze``), so later collections walk only what is made afterwards. Yields the
+    number of objects this call froze (0 when off).
+
+    After: ``gc.unfreeze()`` when the heap had no frozen objects before; when it had (the interpreter or a
+    caller froze some: on the H200 image the count was already non-zero when eval.speedup started, and the
+    first version of this function then froze nothing), the objects frozen here stay frozen, because
+    unfreezing would also thaw the caller's.
 
     Why (a harness setting, like a server freezing its heap after start-up): with the models, transformers
     and Hydra loaded, a full collection walks every tracked object. On an H200 decode loops of ~0.5 ms
-    steps had single steps of 4–256 ms with the collector on, and none over 0.51 ms (AR) / 0.82 ms (spec)
-    with it paused, where one run lost ~0.3 s outside its steps instead (docs/BENCHMARKS.md, stop 17):
+    steps had single steps of 4–320 ms with the collector on, and none over 0.51 ms (AR) / 0.82 ms (spec)
+    with it paused, where one run lost ~0.3 s outside its steps instead (docs/BENCHMARKS.md, stops 17–18):
     collections are the suspect, not yet proven. Frozen objects are never collected: freeze after loading,
     not around code that makes garbage cycles to be freed."""
-    if not freeze or gc.get_freeze_count():  # a caller's frozen heap is left alone (unfreeze would thaw it)
+    if not freeze:
         yield 0
         return
+    before = gc.get_freeze_count()
     gc.collect()
     gc.freeze()
     try:
-        yield gc.get_freeze_count()
+        yield gc.get_freeze_count() - before
     finally:
-        gc.unfreeze()
+        if before == 0:
+            gc.unfreeze()
 
 
 # prompts up to this many tokens are prefilled as CUDA graphs by default (with graphs on): the buckets 16, 32, 64
