@@ -39,11 +39,15 @@ def test_a_row_says_which_optimiser_stepped_and_set_changes_it(monkeypatch):
     assert default["settings"]["pinned_batches"] is False and default["settings"]["drafter_overrides"] == []
     assert moved and moved[0] == ["anchor_keys", "input_ids", "loss_mask", "target_taps"]  # the module's hook
     assert default["settings"]["loss_kernels"] is False and default["rows"][0]["loss_kernels"] is False
-    foreach = bt.run([*ONE_ROW, "--set", "optimizer_impl=foreach", "--set", "loss_kernels=true"])
+    assert default["settings"]["conv_kernels"] is False and default["rows"][0]["conv_kernels"] is False
+    over = ["--set", "optimizer_impl=foreach", "--set", "loss_kernels=true", "--set", "conv_kernels=true"]
+    foreach = bt.run([*ONE_ROW, *over])
     assert foreach["rows"][0]["optimizer"] == "foreach"
-    assert foreach["settings"]["drafter_overrides"] == ["optimizer_impl=foreach", "loss_kernels=true"]
-    # drafter.loss_kernels asked for; on CPU tensors (no interpreter context) the row says the torch passes ran
+    assert foreach["settings"]["drafter_overrides"] == ["optimizer_impl=foreach", "loss_kernels=true", "conv_kernels=true"]
+    # drafter.loss_kernels / conv_kernels asked for; on CPU tensors (no interpreter context) the row says the
+    # torch code ran
     assert foreach["settings"]["loss_kernels"] is True and foreach["rows"][0]["loss_kernels"] is False
+    assert foreach["settings"]["conv_kernels"] is True and foreach["rows"][0]["conv_kernels"] is False
 
 
 @pytest.mark.cuda
@@ -52,7 +56,9 @@ def test_on_cuda_the_batches_are_pinned_and_the_optimiser_fused():
     results = bt.run([*argv, "--warmup", "1", "--steps", "1", "--repeats", "1"])
     assert results["settings"]["pinned_batches"] is True
     assert results["rows"][0]["status"] == "ok" and results["rows"][0]["optimizer"] == "fused"
-    kernels = bt.run([*argv, "--warmup", "1", "--steps", "1", "--repeats", "1", "--set", "loss_kernels=true"])
+    both = ["--set", "loss_kernels=true", "--set", "conv_kernels=true"]
+    kernels = bt.run([*argv, "--warmup", "1", "--steps", "1", "--repeats", "1", *both])
     assert kernels["rows"][0]["status"] == "ok" and kernels["rows"][0]["loss_kernels"] is True
+    assert kernels["rows"][0]["conv_kernels"] is True
     pageable = bt.run([*argv, "--warmup", "1", "--steps", "1", "--repeats", "1", "--pin-memory", "false"])
     assert pageable["settings"]["pinned_batches"] is False and pageable["rows"][0]["status"] == "ok"

@@ -51,6 +51,10 @@ class BlockLocalConv(nn.Module):
         d = self.kernel_projection(x)  # (..., T, 2·K·G)
         return d.unflatten(-1, (2, self.kernel_size, self.groups))
 
+    # drafter.conv_kernels: each side as the Triton kernels of conv_kernels.py where they run (set on every conv
+    # of a drafter by set_conv_kernels; off by default, and the torch code below wherever they cannot run)
+    use_kernels: bool = False
+
     def forward(self, x: torch.Tensor, side: int, delta: torch.Tensor, block_size: int) -> torch.Tensor:
         """Apply one side of the conv (``conv(x, s)`` of ARCHITECTURE.md §3.1; named
         ``forward`` so that ``nn.Module.apply(fn)`` keeps working for init/FSDP).
@@ -58,23 +62,43 @@ class BlockLocalConv(nn.Module):
         x: (..., T, hidden), delta: (..., T, 2, K, G) from ``deltas``; T a multiple of
         block_size or a single (possibly partial) block. Returns (..., T, hidden).
         """
-        T = x.shape[-2]
-        pos_in_block = torch.arange(T, device=x.device) % block_size  # (T,)
-        out = None
-        for t in range(self.kernel_size):
-            # per-position kernel for tap t: base (hidden,) + group delta broadcast to channels
-            dyn = delta[..., side, t, :].repeat_interleave(self.group_size, dim=-1)  # (..., T, hidden)
-            w = self.base_kernel[side, t].to(x.dtype) + dyn  # (..., T, hidden)
-            if t == 0:
-                xs = x
-            else:
-                # x shifted down by t along T: xs[i] = x[i - t], zero where i - t leaves the block
-                xs = torch.nn.functional.pad(x[..., : T - t, :], (0, 0, t, 0)) if t < T else torch.zeros_like(x)
-                keep = (pos_in_block >= t).to(x.dtype)[:, None]  # (T, 1)
-                xs = xs * keep
-            term = w * xs
-            out = term if out is None else out + term
-        return out
+        if self.use_kernels:
+            from dflash2.drafter.conv_kernels import conv_side, kernels_apply
+
+            if kernels_apply(x, delta, self.group_size):
+                return conv_side(x, delta, self.base_kernel, side, block_size, self.group_size)
+        return block_conv_side_torch(x, delta, self.base_kernel, side, block_size, self.group_size)
+
+
+def set_conv_kernels(module: nn.Module, flag: bool) -> None:
+    """``use_kernels`` of every BlockLocalConv inside ``module`` (a drafter): drafter.conv_kernels."""
+    for m in module.modules():
+        if isinstance(m, BlockLocalConv):
+            m.use_kernels = bool(flag)
+
+
+def block_conv_side_torch(x, delta, base_kernel, side: int, block_size: int, group_size: int) -> torch.Tensor:
+    """One side of the conv in torch ops (the module's default path and the kernels' twin).
+
+    x: (..., T, hidden), delta: (..., T, 2, K, G), base_kernel: (2, K, hidden). Returns (..., T, hidden).
+    """
+    T = x.shape[-2]
+    pos_in_block = torch.arange(T, device=x.device) % block_size  # (T,)
+    out = None
+    for t in range(base_kernel.shape[1]):
+        # per-position kernel for tap t: base (hidden,) + group delta broadcast to channels
+        dyn = delta[..., side, t, :].repeat_interleave(group_size, dim=-1)  # (..., T, hidden)
+        w = base_kernel[side, t].to(x.dtype) + dyn  # (..., T, hidden)
+        if t == 0:
+            xs = x
+        else:
+            # x shifted down by t along T: xs[i] = x[i - t], zero where i - t leaves the block
+            xs = torch.nn.functional.pad(x[..., : T - t, :], (0, 0, t, 0)) if t < T else torch.zeros_like(x)
+            keep = (pos_in_block >= t).to(x.dtype)[:, None]  # (T, 1)
+            xs = xs * keep
+        term = w * xs
+        out = term if out is None else out + term
+    return out
 
 
 def naive_block_local_conv(x, base_kernel, delta, side: int, block_size: int, group_size: int):

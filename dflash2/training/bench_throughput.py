@@ -27,7 +27,8 @@ itself (its logging into the result collection, callbacks, progress bar) and the
 pinning: a loader thread). ``--set KEY=VALUE`` overrides a key of the drafter config group as
 ``drafter.KEY=VALUE`` does for ``train.py`` (e.g. ``--set optimizer_impl=foreach`` for the previous
 optimiser, ``--set loss_kernels=true`` for the chunked CE's Triton passes over its logits: a chunked row's
-``loss_kernels`` says whether they ran).
+``loss_kernels`` says whether they ran; ``--set conv_kernels=true`` for the DFlash2 conv's Triton kernels, the
+row's ``conv_kernels`` likewise).
 
 Variants, one row each (``--attention``, ``--ce``, ``--features`` pick a subset):
 
@@ -79,7 +80,7 @@ from tqdm.auto import tqdm
 
 from dflash2.drafter.objective import row_anchor_generator, sample_anchors
 from dflash2.errors import DFlash2Error
-from dflash2.training.preflight import check_loss_kernels
+from dflash2.training.preflight import check_conv_kernels, check_loss_kernels
 from dflash2.training.throughput_flops import StepFlops, step_flops
 from dflash2.training.throughput_report import (
     H200_BF16_DENSE_FLOPS,
@@ -151,6 +152,7 @@ def measure(bench: Bench, variant: Variant, a: argparse.Namespace, peak: float |
     runner = StepRunner(bench, variant, total)
     runner_impl = runner.optimizer_impl  # fused | foreach | for_loop: what drafter.optimizer_impl resolved to
     runner_kernels = runner.loss_kernels  # the chunked CE's Triton passes ran (drafter.loss_kernels)
+    runner_conv = runner.conv_kernels  # the conv's Triton kernels ran (drafter.conv_kernels)
     try:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -188,6 +190,7 @@ def measure(bench: Bench, variant: Variant, a: argparse.Namespace, peak: float |
         "status": "ok",
         "optimizer": runner_impl,
         "loss_kernels": runner_kernels,
+        "conv_kernels": runner_conv,
         "step_ms": {"median": med * 1e3, "min": min(samples) * 1e3, "max": max(samples) * 1e3},
         "step_ms_samples": [s * 1e3 for s in samples],
         "warmup_step_ms": [t * 1e3 for t in warm_times],
@@ -354,6 +357,7 @@ def run(argv: list[str] | None = None) -> dict:
             "taps": list(bench.target.target_layer_ids),
             "loss_chunk_positions": bench.chunk,
             "loss_kernels": check_loss_kernels(bench.settings.get("loss_kernels")),
+            "conv_kernels": check_conv_kernels(bench.settings.get("conv_kernels")),
             "drafter_overrides": a.set or [],
             "pinned_batches": bench.pinned,
             "warmup": a.warmup,

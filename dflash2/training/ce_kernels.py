@@ -64,6 +64,7 @@ import triton.language as tl
 from dflash2.drafter.rounded_ops import product_as
 from dflash2.runtime.kernels import jit
 from dflash2.runtime.kernels.norm import triton_next_pow2
+from dflash2.runtime.kernels.triton_util import rtne_bf16 as _rtne_bf16
 
 BLOCK = 2048  # vocabulary entries per tile (8 bf16 per thread at 8 warps); not tuned on a GPU yet
 MAX_TILES = 8  # tiles per forward program at most: a program walks ≤ 16,384 entries of its row
@@ -162,17 +163,6 @@ def _ce_combine_kernel(
     tl.store(ce_ptr + row, lse - label.to(tl.float32))
     tl.store(argmax_ptr + row, arg.to(tl.int64))
     tl.store(label_raw_ptr + row, label)
-
-
-@triton.jit
-def _rtne_bf16(x):
-    """fp32 x rounded to the nearest bf16, ties to even (what torch's ``.to(torch.bfloat16)`` does), in integer
-    ops: Triton's own cast rounds so on GPUs but truncates in the interpreter. A NaN stays a NaN (the integer
-    add would carry it into ±0 or inf): it goes through the plain cast, which keeps NaN either way."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = bits + 0x7FFF + ((bits >> 16) & 1)
-    rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return tl.where(x != x, x.to(tl.bfloat16), rounded)
 
 
 def _ce_backward_kernel(

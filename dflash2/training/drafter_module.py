@@ -16,6 +16,7 @@ import time
 import lightning as L
 import torch
 
+from dflash2.drafter.local_conv import set_conv_kernels
 from dflash2.drafter.masks import FLEX_MIN_HEAD_DIM, uses_flex
 from dflash2.drafter.objective import (
     WeightTotal,
@@ -38,6 +39,7 @@ from dflash2.training.optimizer_impl import adamw_kwargs, check_optimizer_impl, 
 from dflash2.training.preflight import (
     check_attention,
     check_loss_chunk_positions,
+    check_conv_kernels,
     check_loss_kernels,
     drafter_config_differences,
 )
@@ -64,6 +66,7 @@ class DrafterTrainingModule(L.LightningModule):
         selector_gold_injection: bool = False,
         loss_chunk_positions: int = 0,
         loss_kernels: bool = False,
+        conv_kernels: bool = False,
         attention: str = "auto",
         optimizer_impl: str = "auto",
     ):
@@ -82,6 +85,7 @@ class DrafterTrainingModule(L.LightningModule):
             selector_gold_injection=selector_gold_injection,
             loss_chunk_positions=loss_chunk_positions,
             loss_kernels=loss_kernels,
+            conv_kernels=conv_kernels,
             attention=attention,
             optimizer_impl=optimizer_impl,
         )
@@ -102,6 +106,10 @@ class DrafterTrainingModule(L.LightningModule):
         # the chunked loss's passes over each chunk's logits as Triton kernels where they can run (no serving
         # scales, CUDA; chunked_head.use_fused_passes); no effect on the plain path (drafter.loss_kernels)
         self.loss_kernels = check_loss_kernels(loss_kernels)
+        # the DFlash2 block-local conv's sides as Triton kernels where they run (CUDA; conv_kernels.py), set on
+        # every conv of this drafter (drafter.conv_kernels); the torch code elsewhere and when off
+        self.conv_kernels = check_conv_kernels(conv_kernels)
+        set_conv_kernels(drafter, self.conv_kernels)
         # auto | flex | dense: the drafter's training attention, decided per step on the batch's device
         # (drafter.attention, docs/TRAINING.md "Block-sparse attention in training")
         self.attention = check_attention(attention)

@@ -42,6 +42,18 @@ def check_loss_kernels(value) -> bool:
     return value
 
 
+def check_conv_kernels(value) -> bool:
+    """``drafter.conv_kernels`` as a bool (null = false: the block-local conv's torch code)."""
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise DFlash2Error(
+            f"drafter.conv_kernels={value!r} must be true or false "
+            "(the DFlash2 block-local conv's forward and backward as Triton kernels)"
+        )
+    return value
+
+
 def check_attention(value, device: str | None = None) -> str:
     """``drafter.attention`` (auto | flex | dense; null = auto) as a string.
 

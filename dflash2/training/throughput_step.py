@@ -41,6 +41,10 @@ class StepRunner:
         self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.clip = float(bench.settings.get("grad_clip") or 0.0)
         self.optimizer_impl = optimizer_impl_name(self.optimizer)
+        # drafter.conv_kernels as it applies here: the conv's sides run as Triton kernels (conv_kernels.py)
+        from dflash2.drafter.conv_kernels import conv_kernels_run
+
+        self.conv_kernels = self.module.conv_kernels and conv_kernels_run(bench.drafter, self.device)
         # drafter.loss_kernels as it applies here: the chunked CE's Triton passes run (chunked_head.py)
         self.loss_kernels = bool(self.module.loss_chunk_positions) and use_fused_passes(
             self.module.loss_kernels,

@@ -42,6 +42,7 @@ from dflash2.training.preflight import (
     check_attention,
     check_blocks_fit_the_data,
     check_loss_chunk_positions,
+    check_conv_kernels,
     check_loss_kernels,
     check_resume_checkpoint,
     check_sequences_fit_the_context,
@@ -103,6 +104,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict | None:
     check_blocks_fit_the_data(drafter.config, int(settings["num_anchors"]), data)
     loss_chunk = check_loss_chunk_positions(settings.get("loss_chunk_positions"))
     check_loss_kernels(settings.get("loss_kernels"))
+    check_conv_kernels(settings.get("conv_kernels"))
     attention = check_attention(settings.get("attention"), regeneration_device(cfg))
     check_optimizer_impl(settings.get("optimizer_impl"))
     check_pin_memory(data.get("pin_memory"))
@@ -296,6 +298,7 @@ def training_module(
         selector_gold_injection=bool(settings.get("selector_gold_injection", False)),
         loss_chunk_positions=loss_chunk,
         loss_kernels=check_loss_kernels(settings.get("loss_kernels")),
+        conv_kernels=check_conv_kernels(settings.get("conv_kernels")),
         attention=attention,
         optimizer_impl=check_optimizer_impl(settings.get("optimizer_impl")),
     )

@@ -11,6 +11,7 @@ tests/conftest.py sets it before anything imports triton when no GPU is present.
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -36,3 +37,14 @@ def default_warps(tile_elements: int) -> int:
     while warps < 8 and tile_elements > 64 * 32 * warps:
         warps *= 2
     return warps
+
+
+@triton.jit
+def rtne_bf16(x):
+    """fp32 x rounded to the nearest bf16, ties to even (what torch's ``.to(torch.bfloat16)`` does), in integer
+    ops: Triton's own cast rounds so on GPUs but truncates in the interpreter. A NaN stays a NaN (the integer
+    add would carry it into ±0 or inf): it goes through the plain cast, which keeps NaN either way."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return tl.where(x != x, x.to(tl.bfloat16), rounded)
