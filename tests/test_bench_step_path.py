@@ -48,6 +48,9 @@ def test_a_row_says_which_optimiser_stepped_and_set_changes_it(monkeypatch):
     # torch code ran
     assert foreach["settings"]["loss_kernels"] is True and foreach["rows"][0]["loss_kernels"] is False
     assert foreach["settings"]["conv_kernels"] is True and foreach["rows"][0]["conv_kernels"] is False
+    assert default["settings"]["loss_keep_logits"] is False
+    kept = bt.run([*ONE_ROW, "--set", "loss_keep_logits=true"])
+    assert kept["settings"]["loss_keep_logits"] is True and kept["rows"][0]["status"] == "ok"
 
 
 @pytest.mark.cuda

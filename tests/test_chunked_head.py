@@ -73,6 +73,46 @@ def test_values_gradients_and_candidates_equal_the_plain_path(scale, chunk):
     assert out.ce.shape == (N, A, P) and out.top_ids.shape == (N, A, P, K)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", sorted(SCALES))
+def test_kept_logits_give_the_recomputing_path_bit_for_bit(scale, dtype):
+    """keep_logits (drafter.loss_keep_logits): the forward's chunk logits used in backward instead of a
+    recompute of the same matmul: every output and the gradient bit for bit; backward consumes them (a second
+    backward through the graph is refused); without a backward to come (no_grad) nothing is kept."""
+    hidden, weight, bias, labels, mask = _case(seed=2)
+    weight, bias = weight.to(dtype), bias.to(dtype)
+    mult, cap = SCALES[scale]
+    runs = {}
+    for keep in (False, True):
+        fn = lambda h, keep=keep: chunked_head_outputs(  # noqa: E731
+            h, weight, bias, labels, chunk=7, top_k=K, multiplier=mult, softcap=cap, keep_logits=keep
+        )
+        runs[keep] = _loss_and_grad(fn, hidden, mask)
+    (ref, ref_loss, ref_grad), (out, loss, grad) = runs[False], runs[True]
+    for name in ("ce", "argmax", "top_ids", "top_raw", "label_raw"):
+        assert torch.equal(getattr(out, name), getattr(ref, name)), name
+    assert torch.equal(loss, ref_loss) and torch.equal(grad, ref_grad)
+    h = hidden.detach().clone().requires_grad_(True)
+    twice = chunked_head_outputs(h, weight, bias, labels, chunk=7, top_k=K, multiplier=mult, softcap=cap, keep_logits=True)
+    twice.ce.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="already consumed the kept logits"):
+        twice.ce.sum().backward()
+
+
+def test_nothing_is_kept_without_a_backward_to_come(monkeypatch):
+    from dflash2.training import chunked_head
+
+    hidden, weight, bias, labels, _ = _case()
+    seen = []
+    real = chunked_head._ChunkedHeadCE.apply
+    monkeypatch.setattr(chunked_head._ChunkedHeadCE, "apply", lambda *a: seen.append(a[-1]) or real(*a))
+    with torch.no_grad():
+        chunked_head_outputs(hidden, weight, bias, labels, chunk=7, top_k=K, keep_logits=True)
+    chunked_head_outputs(hidden, weight, bias, labels, chunk=7, top_k=K, keep_logits=True)  # no requires_grad
+    chunked_head_outputs(hidden.requires_grad_(True), weight, bias, labels, chunk=7, top_k=K, keep_logits=True)
+    assert seen == [False, False, True]
+
+
 def test_the_gradient_of_each_position_is_its_own_upstream_gradient_times_the_ce_gradient():
     """Any upstream gradient (not only the loss's weights) and no bias: d(Σ g_m ce_m)/dh, chunks of 4."""
     hidden, weight, _, labels, _ = _case(seed=1, bias=False)

@@ -221,6 +221,18 @@ def test_fused_path_equals_the_plain_path_and_the_torch_passes(device, dtype, ch
 
 
 @pytest.mark.parametrize("device", kernel_devices())
+def test_fused_path_with_kept_logits_equals_it_recomputing(device, interpret):
+    """keep_logits with the kernels: backward writes the gradient over the kept logits instead of over a
+    recompute of them; every output and the hidden gradient bit for bit (bf16 head)."""
+    hidden, weight, bias, labels, upstream = _case(torch.bfloat16, device, seed=6)
+    runs = [_run(_chunked(weight, bias, labels, 16, True, keep_logits=keep), hidden, upstream) for keep in (False, True)]
+    (ref, ref_grad), (out, grad) = runs
+    for name in ("ce", "argmax", "top_ids", "top_raw", "label_raw"):
+        assert torch.equal(getattr(out, name), getattr(ref, name)), name
+    assert torch.equal(grad, ref_grad)
+
+
+@pytest.mark.parametrize("device", kernel_devices())
 def test_fused_path_under_autocast_and_with_a_scalar_loss(device, interpret):
     """An fp32 head under bf16 autocast (bf16-mixed): the chunks compute in bf16, also the recompute in
     backward; ``ce.sum()``'s expanded gradient. Against the torch passes."""

@@ -28,7 +28,7 @@ pinning: a loader thread). ``--set KEY=VALUE`` overrides a key of the drafter co
 ``drafter.KEY=VALUE`` does for ``train.py`` (e.g. ``--set optimizer_impl=foreach`` for the previous
 optimiser, ``--set loss_kernels=true`` for the chunked CE's Triton passes over its logits: a chunked row's
 ``loss_kernels`` says whether they ran; ``--set conv_kernels=true`` for the DFlash2 conv's Triton kernels, the
-row's ``conv_kernels`` likewise).
+row's ``conv_kernels`` likewise; ``--set loss_keep_logits=true``: the chunked loss keeps its logits for backward).
 
 Variants, one row each (``--attention``, ``--ce``, ``--features`` pick a subset):
 
@@ -80,7 +80,7 @@ from tqdm.auto import tqdm
 
 from dflash2.drafter.objective import row_anchor_generator, sample_anchors
 from dflash2.errors import DFlash2Error
-from dflash2.training.preflight import check_conv_kernels, check_loss_kernels
+from dflash2.training.preflight import check_conv_kernels, check_loss_keep_logits, check_loss_kernels
 from dflash2.training.throughput_flops import StepFlops, step_flops
 from dflash2.training.throughput_report import (
     H200_BF16_DENSE_FLOPS,
@@ -358,6 +358,7 @@ def run(argv: list[str] | None = None) -> dict:
             "loss_chunk_positions": bench.chunk,
             "loss_kernels": check_loss_kernels(bench.settings.get("loss_kernels")),
             "conv_kernels": check_conv_kernels(bench.settings.get("conv_kernels")),
+            "loss_keep_logits": check_loss_keep_logits(bench.settings.get("loss_keep_logits")),
             "drafter_overrides": a.set or [],
             "pinned_batches": bench.pinned,
             "warmup": a.warmup,

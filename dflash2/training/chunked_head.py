@@ -84,6 +84,7 @@ def chunked_head_outputs(
     multiplier: float = 1.0,
     softcap: float | None = None,
     fused: bool = False,
+    keep_logits: bool = False,
 ) -> HeadOutputs:
     """``head_outputs_from_logits`` without the full logits.
 
@@ -91,7 +92,10 @@ def chunked_head_outputs(
     or None: the frozen LM head (no gradient reaches them); labels (...) int64 in [0, V); chunk: positions
     per chunk (>= 1); top_k >= 0; multiplier / softcap: the drafter's serving scales (§3.4); fused: each
     chunk's passes over its logits as Triton kernels (``ce_kernels.py``) where ``use_fused_passes`` allows
-    (no serving scales, tensors the kernels can run on), else the torch passes.
+    (no serving scales, tensors the kernels can run on), else the torch passes; keep_logits: each chunk's raw
+    logits kept from forward to backward (M · V values in the head's dtype held between them) instead of
+    recomputed there: one head matmul per chunk fewer; backward then consumes them (a second backward
+    through the same graph is refused).
     Returns HeadOutputs with the leading shape (...) of hidden.
     """
     if chunk < 1:
@@ -110,6 +114,8 @@ def chunked_head_outputs(
         None if softcap is None else float(softcap),
         dtype,
         fused,
+        # kept only for a backward to come (validation and no_grad calls hold nothing extra)
+        bool(keep_logits) and torch.is_grad_enabled() and hidden.requires_grad,
     )
     ce, argmax, top_ids, top_raw, label_raw = outs
     return HeadOutputs(
@@ -188,13 +194,16 @@ def _times(g: torch.Tensor, factors: list, dtype: torch.dtype) -> torch.Tensor:
 
 class _ChunkedHeadCE(torch.autograd.Function):
     """Inputs: hidden (M, d), weight (V, d), bias (V,) or None, labels (M,), chunk, top_k, multiplier,
-    softcap, dtype, fused (the Triton passes: no serving scales, checked by the caller).
+    softcap, dtype, fused (the Triton passes: no serving scales, checked by the caller), keep (the chunks' raw
+    logits kept for backward instead of recomputed there).
     Outputs: ce (M,) fp32, argmax (M,), top_ids (M, k), top_raw (M, k), label_raw (M,).
-    Each chunk's tensors are dropped before the next chunk's logits exist: one chunk's worth at a time."""
+    Without keep, each chunk's tensors are dropped before the next chunk's logits exist: one chunk's worth at
+    a time; with it, every chunk's raw logits stay until backward has used them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk, top_k, multiplier, softcap, dtype, fused):
+    def forward(ctx, hidden, weight, bias, labels, chunk, top_k, multiplier, softcap, dtype, fused, keep):
         m = hidden.shape[0]
+        kept = [] if keep else None
         if fused:
             from dflash2.training.ce_kernels import ce_forward
         # Autocast off inside: every chunk (here and in backward) computes in the dtype fixed by the caller.
@@ -211,6 +220,8 @@ class _ChunkedHeadCE(torch.autograd.Function):
                 e = min(s + chunk, m)
                 lab = labels[s:e, None]
                 raw = F.linear(hidden[s:e].to(dtype), w, b)  # (C, V) as lm_head(h.to(W.dtype))
+                if kept is not None:  # backward reads this chunk's logits here instead of recomputing them
+                    kept.append(raw)
                 if top_k:
                     top_raw[s:e], top_ids[s:e] = torch.topk(raw, top_k, dim=-1)
                 if fused:  # lse, ce, argmax and the label's logit in one read of raw
@@ -231,6 +242,7 @@ class _ChunkedHeadCE(torch.autograd.Function):
                 del z
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.chunk, ctx.multiplier, ctx.softcap, ctx.dtype, ctx.fused = chunk, multiplier, softcap, dtype, fused
+        ctx.kept, ctx.keep = kept, keep
         ctx.mark_non_differentiable(argmax, top_ids, top_raw, label_raw)
         return ce, argmax, top_ids, top_raw, label_raw
 
@@ -241,6 +253,14 @@ class _ChunkedHeadCE(torch.autograd.Function):
         hidden, weight, bias, labels, lse = ctx.saved_tensors
         dtype, mult, cap = ctx.dtype, ctx.multiplier, ctx.softcap
         grad_h = torch.empty_like(hidden)
+        kept = ctx.kept
+        if ctx.keep:
+            if kept is None:
+                raise RuntimeError(
+                    "chunked_head_outputs(keep_logits=True): backward already consumed the kept logits "
+                    "(a second backward through the same graph needs keep_logits=False)"
+                )
+            ctx.kept = None  # consumed below (the gradient is written over them): never reused
         if ctx.fused:
             from dflash2.training.ce_kernels import ce_backward
 
@@ -248,9 +268,12 @@ class _ChunkedHeadCE(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             b = None if bias is None else bias.to(dtype)
-            for s in range(0, hidden.shape[0], ctx.chunk):
+            for i, s in enumerate(range(0, hidden.shape[0], ctx.chunk)):
                 e = min(s + ctx.chunk, hidden.shape[0])
-                raw = F.linear(hidden[s:e].to(dtype), w, b)  # the forward's raw logits (C, V)
+                if kept is not None:  # the forward's raw logits, kept; dropped from the list as they are used
+                    raw, kept[i] = kept[i], None
+                else:
+                    raw = F.linear(hidden[s:e].to(dtype), w, b)  # the forward's raw logits (C, V), recomputed
                 if ctx.fused:  # (softmax - onehot) · grad_ce, rounded to the head's dtype, written over raw
                     g = ce_backward(raw, lse[s:e], labels[s:e], grad_ce[s:e], in_place=True)
                     del raw
@@ -276,4 +299,4 @@ class _ChunkedHeadCE(torch.autograd.Function):
                 # Through raw = linear(h.to(dtype)): the matmul in the head's dtype, as autograd's would be.
                 grad_h[s:e] = (_times(g, factors, dtype) @ w).to(hidden.dtype)
                 del g, factors
-        return grad_h, None, None, None, None, None, None, None, None, None
+        return grad_h, None, None, None, None, None, None, None, None, None, None

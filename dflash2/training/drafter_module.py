@@ -40,6 +40,7 @@ from dflash2.training.preflight import (
     check_attention,
     check_loss_chunk_positions,
     check_conv_kernels,
+    check_loss_keep_logits,
     check_loss_kernels,
     drafter_config_differences,
 )
@@ -67,6 +68,7 @@ class DrafterTrainingModule(L.LightningModule):
         loss_chunk_positions: int = 0,
         loss_kernels: bool = False,
         conv_kernels: bool = False,
+        loss_keep_logits: bool = False,
         attention: str = "auto",
         optimizer_impl: str = "auto",
     ):
@@ -86,6 +88,7 @@ class DrafterTrainingModule(L.LightningModule):
             loss_chunk_positions=loss_chunk_positions,
             loss_kernels=loss_kernels,
             conv_kernels=conv_kernels,
+            loss_keep_logits=loss_keep_logits,
             attention=attention,
             optimizer_impl=optimizer_impl,
         )
@@ -109,6 +112,9 @@ class DrafterTrainingModule(L.LightningModule):
         # the DFlash2 block-local conv's sides as Triton kernels where they run (CUDA; conv_kernels.py), set on
         # every conv of this drafter (drafter.conv_kernels); the torch code elsewhere and when off
         self.conv_kernels = check_conv_kernels(conv_kernels)
+        # the chunked loss keeps each chunk's logits for backward instead of recomputing them there (one head
+        # matmul per chunk fewer, M · V logits held through the step; drafter.loss_keep_logits)
+        self.loss_keep_logits = check_loss_keep_logits(loss_keep_logits)
         set_conv_kernels(drafter, self.conv_kernels)
         # auto | flex | dense: the drafter's training attention, decided per step on the batch's device
         # (drafter.attention, docs/TRAINING.md "Block-sparse attention in training")
@@ -237,6 +243,7 @@ class DrafterTrainingModule(L.LightningModule):
                 multiplier=config.output_multiplier,
                 softcap=config.final_logit_softcapping,
                 fused=self.loss_kernels,
+                keep_logits=self.loss_keep_logits,
             )
         raw = self.target.head_logits(drafted)  # (N, A, P, V), drafted cast to the head's dtype
         logits = self.drafter.block_logits(drafted, self.target.head_logits, raw=raw)

@@ -42,6 +42,18 @@ def check_loss_kernels(value) -> bool:
     return value
 
 
+def check_loss_keep_logits(value) -> bool:
+    """``drafter.loss_keep_logits`` as a bool (null = false: the chunked loss recomputes each chunk's logits)."""
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise DFlash2Error(
+            f"drafter.loss_keep_logits={value!r} must be true or false "
+            "(the chunked loss's logits kept from forward to backward instead of recomputed)"
+        )
+    return value
+
+
 def check_conv_kernels(value) -> bool:
     """``drafter.conv_kernels`` as a bool (null = false: the block-local conv's torch code)."""
     if value is None:
