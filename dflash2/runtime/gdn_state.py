@@ -110,7 +110,7 @@ class GDNState:
     per forward and keeps that layer's log until ``commit(n)`` consumes all of them (in replay mode
     with reserved logs the commit is deferred into the next verify: module docstring, :meth:`flush`).
     mode: 'reference' | 'replay' | 'native', or 'auto' (by the device: module docstring); kernel_options: block_v /
-    block_t / num_warps / prep_warps / stages / split_out / chunked / chunk_warps / chunk_block_v / chunk_block_k,
+    block_t / num_warps / prep_warps / stages / split_out / pdl / chunked / chunk_warps / chunk_block_v / chunk_block_k,
     gdn_verify_triton's keywords (tuning; ``chunked=True``: ReplaySSM's verify computes the block with matrix
     products instead of a serial walk, equal to fp32 rounding, §5.5, the chunk_* knobs its tile and warps;
     the commit kernel takes only block_v / num_warps; block_v left out on CUDA = :func:`occupancy_block_v` at this

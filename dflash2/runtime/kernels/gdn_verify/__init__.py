@@ -41,6 +41,7 @@ def gdn_verify_triton(
     prep_warps: int | None = None,
     stages: int | None = None,
     split_out: bool = False,
+    pdl: bool = False,
     chunked: bool = False,
     chunk_warps: int | None = None,
     chunk_block_v: int | None = None,
@@ -67,7 +68,11 @@ def gdn_verify_triton(
     (0, native's default) or go through Triton's software pipeline of that many stages (ReplaySSM's
     default, DEFAULT_STAGES); the arithmetic, and so the rounding, is the same. split_out (with
     stages ≥ 1): o_t = hᵀq + (k·q) u_t, whose d_k sum no longer waits for u_t (outputs round
-    differently; the state and the log do not). All are tuning knobs (dflash2/runtime/bench_gdn.py).
+    differently; the state and the log do not). pdl (CUDA, Hopper on; sequential walk only): the recurrence
+kernel is launched as a programmatic dependent of the prep kernel (``launch_pdl``), so it starts while the
+prep runs, loads its state tile and pending count, and waits (``gdc_wait``) only before its first read of the
+prep's outputs: the kernel boundary's drain and launch and the state load overlap the prep (same values:
+nothing it reads early is written by the prep). All are tuning knobs (dflash2/runtime/bench_gdn.py).
 
     chunked (ReplaySSM; ignored by native, whose per-token states are the sequential walk's output):
     after the unchanged exact fold of the pending tokens, the block's o and u come from matrix
@@ -177,6 +182,7 @@ def gdn_verify_triton(
         block_t=bt,
         stages=stages,
         split_out=bool(split_out) and stages > 0,
+        pdl=bool(pdl) and x.is_cuda,  # the interpreter has no grid dependency control
         # one token: the sequential walk is the cheaper one
         chunked=(
             dict(

@@ -90,7 +90,12 @@ def gdn_prep_kernel(
     SQRT_DK: tl.constexpr,
     FOLD: tl.constexpr,
     STORE_X: tl.constexpr,
+    PDL: tl.constexpr,  # the recurrence is launched as a programmatic dependent: let it start now
 ):
+    if PDL:
+        # the recurrence kernel may launch once every prep program has passed here; it reads nothing this
+        # kernel writes before its gdc_wait, which waits for this whole grid to finish and flush
+        tl.extra.cuda.gdc_launch_dependents()
     i_n = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)  # 0..HK-1: q head j; HK..2·HK-1: k head j-HK; then v head j-2·HK
     is_v = j >= 2 * HK
@@ -286,6 +291,7 @@ def gdn_recur_kernel(
     FOLD: tl.constexpr,
     STAGES: tl.constexpr,  # 0: rows prefetched two tokens ahead by hand; ≥ 1: tl.range's software pipeline
     SPLIT_OUT: tl.constexpr,  # (STAGES ≥ 1) o_t = hᵀq + (k·q) u_t: see the loop
+    PDL: tl.constexpr,  # launched as a programmatic dependent of the prep kernel: gdc_wait before its outputs
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -307,6 +313,8 @@ def gdn_recur_kernel(
         if FOLD:
             p_n = pend + i_n * stride_pn + i_h * tl.num_programs(0) + i_v
             n = tl.load(p_n)
+            if PDL:  # the state tile and the count are in hand; everything below may read the prep's outputs
+                tl.extra.cuda.gdc_wait()
             if n > 0:
                 for t in tl.range(0, n, num_stages=STAGES):
                     fg, fk, fu = _fold_rows(
@@ -316,6 +324,8 @@ def gdn_recur_kernel(
                 tl.store(p_rec, h, mask=m_h)
                 tl.store(p_n, n * 0)
             tl.debug_barrier()
+        elif PDL:
+            tl.extra.cuda.gdc_wait()
         for t in tl.range(0, T, num_stages=STAGES):
             q_t, k_t, v_t, g_t, beta_t = _token_rows(
                 q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, t, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
@@ -351,12 +361,16 @@ def gdn_recur_kernel(
         if FOLD:
             p_n = pend + i_n * stride_pn + i_h * tl.num_programs(0) + i_v
             n = tl.load(p_n)
+            if PDL:  # the state tile and the count are in hand; the rows below are (or follow) the prep's outputs
+                tl.extra.cuda.gdc_wait()
             fg_0, fk_0, fu_0 = _fold_rows(
                 stash_k, stash_g, log_u, i_n, i_h, i_hk, 0, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
             )
             fg_1, fk_1, fu_1 = _fold_rows(
                 stash_k, stash_g, log_u, i_n, i_h, i_hk, 1, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
             )
+        elif PDL:
+            tl.extra.cuda.gdc_wait()
         q_0, k_0, v_0, g_0, beta_0 = _token_rows(
             q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, 0, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
         )
@@ -437,13 +451,15 @@ def launch_verify(
     num_warps,
     prep_warps,
     chunked=None,
+    pdl=False,
 ):
     """gdn_prep_kernel on grid (N, 2·Hk + H), then gdn_recur_kernel on grid (d_v / BV, N·H). Tensors as in
     the kernels (conv_weight as (C, K)); prep = (q, k, v, g, β) fp32 buffers of the prep kernel's
     output shapes; x_log the log's x (read by the fold, written when store_x); fold = (pend, stash_k,
     stash_g), zero counts when nothing is pending; the unused output of the other mode may be any
     tensor (never touched). chunked (ReplaySSM): chunk_kernel.py's recurrence instead, a dict of
-    launch_chunk_recur's chunk_block_v / block_k / num_warps (the fold's counts keep block_v's layout)."""
+    launch_chunk_recur's chunk_block_v / block_k / num_warps (the fold's counts keep block_v's layout).
+    pdl: the recurrence launched as a programmatic dependent of the prep (gdn_verify_triton's docstring)."""
     N, T, _ = x.shape
     H, DK, DV = rec_state.shape[1:]
     KW = conv_weight.shape[1]
@@ -489,6 +505,7 @@ def launch_verify(
         SQRT_DK=float(DK) ** 0.5,
         FOLD=True,  # always: see gdn_verify_triton (one compiled variant)
         STORE_X=store_x,
+        PDL=bool(pdl),
         num_warps=prep_warps,
         enable_fp_fusion=False,  # round as the reference does (no fused multiply-adds)
     )
@@ -526,6 +543,8 @@ def launch_verify(
         FOLD=True,  # always: see gdn_verify_triton (one compiled variant)
         STAGES=stages,
         SPLIT_OUT=split_out,
+        PDL=bool(pdl),
         num_warps=num_warps,
         enable_fp_fusion=False,  # the fold must round as verify does: see gdn_replay/kernel.py
+        **({"launch_pdl": True} if pdl else {}),  # only asked for on CUDA (the interpreter knows no such option)
     )
