@@ -51,6 +51,7 @@ def test_a_row_says_which_optimiser_stepped_and_set_changes_it(monkeypatch):
     assert default["settings"]["loss_keep_logits"] is False
     kept = bt.run([*ONE_ROW, "--set", "loss_keep_logits=true"])
     assert kept["settings"]["loss_keep_logits"] is True and kept["rows"][0]["status"] == "ok"
+    assert kept["rows"][0]["loss_keep_logits"] is True and default["rows"][0]["loss_keep_logits"] is False
 
 
 @pytest.mark.cuda

@@ -181,3 +181,13 @@ def test_a_bad_conv_switch_is_a_one_line_error():
     assert check_conv_kernels(None) is False and check_conv_kernels(True) is True
     with pytest.raises(DFlash2Error, match=r"drafter\.conv_kernels='yes' must be true or false"):
         check_conv_kernels("yes")
+
+
+def test_inputs_the_kernels_do_not_index_keep_the_torch_code(interpret):
+    """A broadcast δ (one row for all positions), a δ whose groups do not cover x, fp64: the torch code."""
+    x = torch.zeros(2, 4, 32)
+    if "cpu" in kernel_devices():  # under the interpreter the well-formed call runs the kernels on CPU tensors
+        assert conv_kernels.kernels_apply(x, torch.zeros(2, 4, 2, 2, 2), 16)
+    assert not conv_kernels.kernels_apply(x, torch.zeros(1, 4, 2, 2, 2), 16)  # broadcast rows
+    assert not conv_kernels.kernels_apply(x, torch.zeros(2, 4, 2, 2, 3), 16)  # 3 groups of 16 != 32 channels
+    assert not conv_kernels.kernels_apply(x.double(), torch.zeros(2, 4, 2, 2, 2, dtype=torch.float64), 16)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 import triton
+from torch.autograd.function import once_differentiable
 import triton.language as tl
 
 from dflash2.runtime.kernels import jit, use_triton
@@ -56,9 +57,17 @@ def conv_side_ref(x, delta, base, side: int, block_size: int, group_size: int) -
 
 def kernels_apply(x: torch.Tensor, delta: torch.Tensor, group_size: int) -> bool:
     """Whether the kernels can run this call: tensors where Triton runs (CUDA, or CPU ones under the
-    interpreter in tests), a power-of-two group size of at most MAX_BLOCK_CHANNELS channels."""
+    interpreter in tests), fp32 / bf16 / fp16, δ of shape (*x.shape[:-1], 2, K, d / gs) (no broadcast
+    rows), a power-of-two group size of at most MAX_BLOCK_CHANNELS channels. Otherwise the torch code runs."""
     gs = int(group_size)
-    return use_triton(x) and delta.device == x.device and gs & (gs - 1) == 0 and gs <= MAX_BLOCK_CHANNELS
+    shapes = (
+        delta.dim() == x.dim() + 2
+        and delta.shape[:-3] == x.shape[:-1]  # one δ row per position (no broadcast: the kernels index it flat)
+        and delta.shape[-3] == 2
+        and delta.shape[-1] * gs == x.shape[-1]
+    )
+    dtypes = {x.dtype, delta.dtype} <= {torch.float32, torch.bfloat16, torch.float16}  # fp64 stays torch's
+    return shapes and dtypes and use_triton(x) and delta.device == x.device and gs & (gs - 1) == 0 and gs <= MAX_BLOCK_CHANNELS
 
 
 def conv_kernels_run(drafter, device) -> bool:
@@ -134,7 +143,7 @@ def _conv_backward_kernel(
             _rounded(grp, gd_ptr, GD_BF16),
             mask=in_r[:, None] & (o_g < G)[None, :],
         )
-        tl.store(gb_ptr + (pid_r * K + t) * C + c, tl.sum(prod, axis=0), mask=in_c)
+        tl.store(gb_ptr + (pid_r.to(tl.int64) * K + t) * C + c, tl.sum(prod, axis=0), mask=in_c)
     tl.store(gx_ptr + r[:, None] * C + c[None, :], _rounded(gx, gx_ptr, GX_BF16), mask=m)
 
 
@@ -165,6 +174,7 @@ class _ConvSide(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         xc, dc, base_x = ctx.saved_tensors
         side, block_size, group_size, base_dtype, base_shape = ctx.conf

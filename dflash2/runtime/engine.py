@@ -198,7 +198,9 @@ def heap_frozen(freeze: bool = True):
     After: ``gc.unfreeze()`` when the heap had no frozen objects before; when it had (the interpreter or a
     caller froze some: on the H200 image the count was already non-zero when eval.speedup started, and the
     first version of this function then froze nothing), the objects frozen here stay frozen, because
-    unfreezing would also thaw the caller's.
+    unfreezing would also thaw the caller's. Then whatever of them ends up in a reference cycle is never
+    collected: harmless for a command that exits (eval.speedup), a leak in a process that loads models over
+    and over.
 
     Why (a harness setting, like a server freezing its heap after start-up): with the models, transformers
     and Hydra loaded, a full collection walks every tracked object. On an H200 decode loops of ~0.5 ms

@@ -153,6 +153,7 @@ def measure(bench: Bench, variant: Variant, a: argparse.Namespace, peak: float |
     runner_impl = runner.optimizer_impl  # fused | foreach | for_loop: what drafter.optimizer_impl resolved to
     runner_kernels = runner.loss_kernels  # the chunked CE's Triton passes ran (drafter.loss_kernels)
     runner_conv = runner.conv_kernels  # the conv's Triton kernels ran (drafter.conv_kernels)
+    runner_kept = runner.loss_keep_logits  # the chunked loss kept its logits (drafter.loss_keep_logits)
     try:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -191,6 +192,7 @@ def measure(bench: Bench, variant: Variant, a: argparse.Namespace, peak: float |
         "optimizer": runner_impl,
         "loss_kernels": runner_kernels,
         "conv_kernels": runner_conv,
+        "loss_keep_logits": runner_kept,
         "step_ms": {"median": med * 1e3, "min": min(samples) * 1e3, "max": max(samples) * 1e3},
         "step_ms_samples": [s * 1e3 for s in samples],
         "warmup_step_ms": [t * 1e3 for t in warm_times],
