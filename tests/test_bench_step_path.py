@@ -43,7 +43,11 @@ def test_a_row_says_which_optimiser_stepped_and_set_changes_it(monkeypatch):
     over = ["--set", "optimizer_impl=foreach", "--set", "loss_kernels=true", "--set", "conv_kernels=true"]
     foreach = bt.run([*ONE_ROW, *over])
     assert foreach["rows"][0]["optimizer"] == "foreach"
-    assert foreach["settings"]["drafter_overrides"] == ["optimizer_impl=foreach", "loss_kernels=true", "conv_kernels=true"]
+    assert foreach["settings"]["drafter_overrides"] == [
+        "optimizer_impl=foreach",
+        "loss_kernels=true",
+        "conv_kernels=true",
+    ]
     # drafter.loss_kernels / conv_kernels asked for; on CPU tensors (no interpreter context) the row says the
     # torch code ran
     assert foreach["settings"]["loss_kernels"] is True and foreach["rows"][0]["loss_kernels"] is False

@@ -84,7 +84,7 @@ def test_kept_logits_give_the_recomputing_path_bit_for_bit(scale, dtype):
     mult, cap = SCALES[scale]
     runs = {}
     for keep in (False, True):
-        fn = lambda h, keep=keep: chunked_head_outputs(  # noqa: E731
+        fn = lambda h, keep=keep: chunked_head_outputs(
             h, weight, bias, labels, chunk=7, top_k=K, multiplier=mult, softcap=cap, keep_logits=keep
         )
         runs[keep] = _loss_and_grad(fn, hidden, mask)
@@ -93,7 +93,9 @@ def test_kept_logits_give_the_recomputing_path_bit_for_bit(scale, dtype):
         assert torch.equal(getattr(out, name), getattr(ref, name)), name
     assert torch.equal(loss, ref_loss) and torch.equal(grad, ref_grad)
     h = hidden.detach().clone().requires_grad_(True)
-    twice = chunked_head_outputs(h, weight, bias, labels, chunk=7, top_k=K, multiplier=mult, softcap=cap, keep_logits=True)
+    twice = chunked_head_outputs(
+        h, weight, bias, labels, chunk=7, top_k=K, multiplier=mult, softcap=cap, keep_logits=True
+    )
     twice.ce.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="already consumed the kept logits"):
         twice.ce.sum().backward()

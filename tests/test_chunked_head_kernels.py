@@ -236,7 +236,9 @@ def test_fused_path_with_kept_logits_equals_it_recomputing(device, interpret):
     """keep_logits with the kernels: backward writes the gradient over the kept logits instead of over a
     recompute of them; every output and the hidden gradient bit for bit (bf16 head)."""
     hidden, weight, bias, labels, upstream = _case(torch.bfloat16, device, seed=6)
-    runs = [_run(_chunked(weight, bias, labels, 16, True, keep_logits=keep), hidden, upstream) for keep in (False, True)]
+    runs = [
+        _run(_chunked(weight, bias, labels, 16, True, keep_logits=keep), hidden, upstream) for keep in (False, True)
+    ]
     (ref, ref_grad), (out, grad) = runs
     for name in ("ce", "argmax", "top_ids", "top_raw", "label_raw"):
         assert torch.equal(getattr(out, name), getattr(ref, name)), name

@@ -90,7 +90,7 @@ def test_a_dflash2_drafter_with_the_kernels_equals_it_without(device, interpret)
     with the exact (fp64 torch) values: the kernels' error within 2× the torch path's, or 1e-6 (norm-wise)."""
     import copy
 
-    target, drafter = _drafter_pair()
+    _, drafter = _drafter_pair()
     convs = [m for m in drafter.modules() if isinstance(m, BlockLocalConv)]
     assert convs and not any(m.use_kernels for m in convs)
     fused = copy.deepcopy(drafter)
@@ -104,7 +104,11 @@ def test_a_dflash2_drafter_with_the_kernels_equals_it_without(device, interpret)
     conv_kernels.conv_side = lambda *a, **kw: calls.append(1) or real(*a, **kw)
     try:
         outs, grads = [], []
-        for model, dtype in ((copy.deepcopy(drafter).double(), torch.float64), (drafter, torch.float32), (fused, torch.float32)):
+        for model, dtype in (
+            (copy.deepcopy(drafter).double(), torch.float64),
+            (drafter, torch.float32),
+            (fused, torch.float32),
+        ):
             model = model.to(device)
             conv = model.layers[0].mlp_conv
             x = h.to(dtype).to(device)
@@ -116,7 +120,7 @@ def test_a_dflash2_drafter_with_the_kernels_equals_it_without(device, interpret)
     finally:
         conv_kernels.conv_side = real
     assert len(calls) == 2, "the kernels did not run for both sides"
-    exact, plain, mine = outs
+    _, plain, mine = outs  # (the fp64 output: the gradients' reference below)
     torch.testing.assert_close(mine, plain)
     assert grads[0].keys() == grads[1].keys() == grads[2].keys() and grads[0]
 

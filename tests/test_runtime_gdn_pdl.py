@@ -10,7 +10,6 @@ import pytest
 import torch
 from test_runtime_gdn_kernels import DEVICES, GQA, _gdn_state, _steps, make_case
 
-
 CUDA_CASES = [("replay", 0), ("replay", 2), ("native", 0)]
 CASES = [pytest.param(DEVICES[0].values[0], "replay", 0, marks=DEVICES[0].marks)] + [
     pytest.param(DEVICES[1].values[0], mode, stages, marks=DEVICES[1].marks) for mode, stages in CUDA_CASES

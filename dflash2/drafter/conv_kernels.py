@@ -3,7 +3,8 @@ and backward, each with its plain-PyTorch twin (opt-in: ``drafter.conv_kernels``
 
 What, for one side s, K taps, groups of gs channels, positions i of a sequence of T (blocks of B: p(i) = i mod B):
 
-    forward   out[i, c]            = Σ_t w_t[i, c] · x[i − t, c] · [p(i) ≥ t],   w_t[i, c] = base[s, t, c] + δ[i, s, t, c // gs]
+    forward   out[i, c]            = Σ_t w_t[i, c] · x[i − t, c] · [p(i) ≥ t]
+              w_t[i, c]            = base[s, t, c] + δ[i, s, t, c // gs]
     backward  grad_x[j, c]         = Σ_t g[j + t, c] · w_t[j + t, c] · [p(j) + t < B, j + t < T]
               grad_δ[i, s, t, grp] = Σ_{c in grp} g[i, c] · x[i − t, c] · [p(i) ≥ t]      (the other side's: 0)
               grad_base[s, t, c]   = Σ_i g[i, c] · x[i − t, c] · [p(i) ≥ t]             (the other side's: 0)
@@ -37,8 +38,8 @@ from __future__ import annotations
 
 import torch
 import triton
-from torch.autograd.function import once_differentiable
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from dflash2.runtime.kernels import jit, use_triton
 from dflash2.runtime.kernels.triton_util import rtne_bf16
@@ -67,7 +68,14 @@ def kernels_apply(x: torch.Tensor, delta: torch.Tensor, group_size: int) -> bool
         and delta.shape[-1] * gs == x.shape[-1]
     )
     dtypes = {x.dtype, delta.dtype} <= {torch.float32, torch.bfloat16, torch.float16}  # fp64 stays torch's
-    return shapes and dtypes and use_triton(x) and delta.device == x.device and gs & (gs - 1) == 0 and gs <= MAX_BLOCK_CHANNELS
+    return (
+        shapes
+        and dtypes
+        and use_triton(x)
+        and delta.device == x.device
+        and gs & (gs - 1) == 0
+        and gs <= MAX_BLOCK_CHANNELS
+    )
 
 
 def conv_kernels_run(drafter, device) -> bool:
@@ -104,10 +112,14 @@ def _conv_forward_kernel(
         xs = tl.load(x_ptr + (r - t)[:, None] * C + c[None, :], mask=live[:, None] & in_c[None, :], other=0.0)
         b_t = tl.load(base_ptr + base_off + t * C + c, mask=in_c, other=0.0).to(tl.float32)
         d_t = tl.load(
-            d_ptr + r[:, None] * DS + side_off + t * G + (c // GS)[None, :], mask=in_r[:, None] & in_c[None, :], other=0.0
+            d_ptr + r[:, None] * DS + side_off + t * G + (c // GS)[None, :],
+            mask=in_r[:, None] & in_c[None, :],
+            other=0.0,
         ).to(tl.float32)
         acc += (b_t[None, :] + d_t) * xs.to(tl.float32)
-    tl.store(out_ptr + r[:, None] * C + c[None, :], _rounded(acc, out_ptr, OUT_BF16), mask=in_r[:, None] & in_c[None, :])
+    tl.store(
+        out_ptr + r[:, None] * C + c[None, :], _rounded(acc, out_ptr, OUT_BF16), mask=in_r[:, None] & in_c[None, :]
+    )
 
 
 def _conv_backward_kernel(

@@ -16,7 +16,8 @@ autograd keeps with an fp32 copy and their gradient: ~9 G elements for a 151,936
 at 8 rows × 512 anchors × 15 positions. ``chunked_head_outputs`` computes the same on row chunks
 of C positions and recomputes a chunk's logits in backward instead of storing them, so it never
 holds more than a few (C, V) tensors at a time (with ``keep_logits`` it keeps every chunk's raw logits
-from forward to backward instead: one matmul per chunk fewer, M · V values held). The head is frozen: W and b get no gradient.
+from forward to backward instead: one matmul per chunk fewer, M · V values held). The head is frozen: W and b
+get no gradient.
 
 Per chunk the elementwise work over (C, V) costs about as much memory traffic as the head's matmul, so
 it is kept to few passes without changing a value (tests/test_chunked_head_passes.py, bit for bit against

@@ -38,8 +38,8 @@ from dflash2.training.data_parallel import all_reduce_sum, global_weight_share, 
 from dflash2.training.optimizer_impl import adamw_kwargs, check_optimizer_impl, is_fused, resolve_optimizer_impl
 from dflash2.training.preflight import (
     check_attention,
-    check_loss_chunk_positions,
     check_conv_kernels,
+    check_loss_chunk_positions,
     check_loss_keep_logits,
     check_loss_kernels,
     drafter_config_differences,

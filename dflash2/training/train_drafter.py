@@ -41,8 +41,8 @@ from dflash2.training.optimizer_impl import check_optimizer_impl
 from dflash2.training.preflight import (
     check_attention,
     check_blocks_fit_the_data,
-    check_loss_chunk_positions,
     check_conv_kernels,
+    check_loss_chunk_positions,
     check_loss_keep_logits,
     check_loss_kernels,
     check_resume_checkpoint,

@@ -49,43 +49,43 @@ def gdn_verify_triton(
 ) -> tuple[torch.Tensor, GDNLog]:
     """Outputs of the T block tokens of every row from the untouched states, plus the commit log.
 
-    x (N, T, C) pre-conv q|k|v projections (model dtype), C = 2·Hk·d_k + H·d_v;
-    conv_state (N, C, K-1) model dtype; conv_weight (C, 1, K); rec_state (N, H, d_k, d_v) fp32;
-    a, b (N, T, H) the in_proj_a / in_proj_b outputs; A_log, dt_bias (H,); num_k_heads Hk.
-    Both states are only read (but see ``fold``). Returns o (N, T, H, d_v) in x's dtype and a
-    :class:`GDNLog`: ReplaySSM k (N, T, Hk, d_k), u (N, T, H, d_v), g (N, T, H) fp32; native: states
-    (N, T, H, d_k, d_v) fp32. The log keeps x itself (no copy), or, with ``out`` (a log of that
-    layout, e.g. GDNState's reserved one for CUDA graphs), is written there, x stored by the kernel.
+        x (N, T, C) pre-conv q|k|v projections (model dtype), C = 2·Hk·d_k + H·d_v;
+        conv_state (N, C, K-1) model dtype; conv_weight (C, 1, K); rec_state (N, H, d_k, d_v) fp32;
+        a, b (N, T, H) the in_proj_a / in_proj_b outputs; A_log, dt_bias (H,); num_k_heads Hk.
+        Both states are only read (but see ``fold``). Returns o (N, T, H, d_v) in x's dtype and a
+        :class:`GDNLog`: ReplaySSM k (N, T, Hk, d_k), u (N, T, H, d_v), g (N, T, H) fp32; native: states
+        (N, T, H, d_k, d_v) fp32. The log keeps x itself (no copy), or, with ``out`` (a log of that
+        layout, e.g. GDNState's reserved one for CUDA graphs), is written there, x stored by the kernel.
 
-    fold (ReplaySSM, needs ``out``): the deferred commit of the previous verify, whose log ``out``
-    still holds (same T). Before verifying, the first fold.n[r] logged tokens of ``out`` are
-    committed into row r of both states *in place* — exactly what gdn_replay_triton(conv_state,
-    rec_state, out, n) would leave, bit for bit — and the new block is verified from there; the
-    counts are zeroed (a second call folds nothing). fold.n must have recur_programs(H, d_v, block_v)
-    columns (the recurrence kernel's programs per row).
-    block_v / block_t / num_warps / prep_warps: tile width over d_v, tokens per chunk, warps per
-    recurrence / prep program. stages: the recurrence's token loops prefetch by hand two tokens ahead
-    (0, native's default) or go through Triton's software pipeline of that many stages (ReplaySSM's
-    default, DEFAULT_STAGES); the arithmetic, and so the rounding, is the same. split_out (with
-    stages ≥ 1): o_t = hᵀq + (k·q) u_t, whose d_k sum no longer waits for u_t (outputs round
-    differently; the state and the log do not). pdl (CUDA, Hopper on; sequential walk only): the recurrence
-kernel is launched as a programmatic dependent of the prep kernel (``launch_pdl``), so it starts while the
-prep runs, loads its state tile and pending count, and waits (``gdc_wait``) only before its first read of the
-prep's outputs: the kernel boundary's drain and launch and the state load overlap the prep (same values:
-nothing it reads early is written by the prep). All are tuning knobs (dflash2/runtime/bench_gdn.py).
+        fold (ReplaySSM, needs ``out``): the deferred commit of the previous verify, whose log ``out``
+        still holds (same T). Before verifying, the first fold.n[r] logged tokens of ``out`` are
+        committed into row r of both states *in place* — exactly what gdn_replay_triton(conv_state,
+        rec_state, out, n) would leave, bit for bit — and the new block is verified from there; the
+        counts are zeroed (a second call folds nothing). fold.n must have recur_programs(H, d_v, block_v)
+        columns (the recurrence kernel's programs per row).
+        block_v / block_t / num_warps / prep_warps: tile width over d_v, tokens per chunk, warps per
+        recurrence / prep program. stages: the recurrence's token loops prefetch by hand two tokens ahead
+        (0, native's default) or go through Triton's software pipeline of that many stages (ReplaySSM's
+        default, DEFAULT_STAGES); the arithmetic, and so the rounding, is the same. split_out (with
+        stages ≥ 1): o_t = hᵀq + (k·q) u_t, whose d_k sum no longer waits for u_t (outputs round
+        differently; the state and the log do not). pdl (CUDA, Hopper on; sequential walk only): the recurrence
+    kernel is launched as a programmatic dependent of the prep kernel (``launch_pdl``), so it starts while the
+    prep runs, loads its state tile and pending count, and waits (``gdc_wait``) only before its first read of the
+    prep's outputs: the kernel boundary's drain and launch and the state load overlap the prep (same values:
+    nothing it reads early is written by the prep). All are tuning knobs (dflash2/runtime/bench_gdn.py).
 
-    chunked (ReplaySSM; ignored by native, whose per-token states are the sequential walk's output):
-    after the unchanged exact fold of the pending tokens, the block's o and u come from matrix
-    products over chunks of 16 tokens and a 16 × 16 triangular solve (chunk_kernel.py, twin
-    chunked_reference.py) instead of T dependent steps, each waiting for a d_k-long reduction — the
-    chain that makes the batch-1 recurrence latency-bound. Same values up to fp32 rounding: o and the
-    logged u differ from the sequential walk's (and from single-token decoding's) at rounding level;
-    the log's layout and the next verify's fold do not change. Any head dims and block_v (tiles are
-    padded to 16); split_out does not apply. Its own tuning knobs (num_warps / block_v stay the
-    sequential walk's, which a one-token verify still runs, and the fold's count layout):
-    chunk_warps (default 4), chunk_block_v (value columns per program, a multiple of block_v: each
-    program folds and zeroes that many block_v slices' counts; default block_v) and chunk_block_k
-    (d_k rows per slice of the state its products stream, rounded up to a power of two ≥ 16; default 16).
+        chunked (ReplaySSM; ignored by native, whose per-token states are the sequential walk's output):
+        after the unchanged exact fold of the pending tokens, the block's o and u come from matrix
+        products over chunks of 16 tokens and a 16 × 16 triangular solve (chunk_kernel.py, twin
+        chunked_reference.py) instead of T dependent steps, each waiting for a d_k-long reduction — the
+        chain that makes the batch-1 recurrence latency-bound. Same values up to fp32 rounding: o and the
+        logged u differ from the sequential walk's (and from single-token decoding's) at rounding level;
+        the log's layout and the next verify's fold do not change. Any head dims and block_v (tiles are
+        padded to 16); split_out does not apply. Its own tuning knobs (num_warps / block_v stay the
+        sequential walk's, which a one-token verify still runs, and the fold's count layout):
+        chunk_warps (default 4), chunk_block_v (value columns per program, a multiple of block_v: each
+        program folds and zeroes that many block_v slices' counts; default block_v) and chunk_block_k
+        (d_k rows per slice of the state its products stream, rounded up to a power of two ≥ 16; default 16).
     """
     N, T, C = x.shape
     H, dk, dv = rec_state.shape[1:]
