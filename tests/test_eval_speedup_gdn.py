@@ -69,6 +69,7 @@ def _run(pair, modes, out=None):
         gdn_modes=modes,
         output_dir=out,
         log=lambda _: None,
+        warmup_passes=0,  # interpreted kernels: no timing to warm up for, half the decodes
     )
 
 
@@ -80,6 +81,7 @@ def test_modes_are_lossless_and_agree_with_each_other(narrow_hybrid, tmp_path):
     pair = Pair(hf, model, drafter, prompts, "tiny hybrid, scripted drafter", False)
     res = _run(pair, ["reference", "replay"], tmp_path)
     assert model.gdn_mode == "auto"  # the run restores the target's own mode
+    assert res["warmup_passes"] == 0  # the override is recorded with the figures
 
     shape = GDNShape.of_model(model)
     assert res["gdn"]["applicable"] and res["gdn"]["modes"] == ["reference", "replay"]

@@ -244,6 +244,7 @@ def time_runtime(
     sampling=None,
     seed: int = 0,
     batch_size: int | None = None,
+    warmup_passes: int | None = None,
 ) -> dict:
     """A warm-up pass, then ``runs`` timed passes with per-phase CUDA events. A pass decodes every row of
     ``prompts`` as consecutive batches of ``batch_size`` rows (None: one batch of all; :func:`split_batches`).
@@ -258,7 +259,8 @@ def time_runtime(
     time, so 0 ≤ outside ≤ generation, up to the two clocks' resolution). τ (spec) = tokens emitted by
     verify steps / verify steps, over all rows of the last pass; sequences: its rows in ``prompts``' order.
     ``progress`` advances by one per timed batch. The warm-up is one pass, two when the Decoder graphs its
-    prefill (one prefill per generation: the second pass captures it)."""
+    prefill (one prefill per generation: the second pass captures it); ``warmup_passes`` overrides that
+    count (tests under Triton's interpreter, whose timings mean nothing, pass 0)."""
     sampled = is_sampled(sampling)
     params = dict(sampling or GREEDY)
     batches = split_batches(list(prompts), batch_size or len(prompts))
@@ -274,7 +276,9 @@ def time_runtime(
 
     # warm-up: first uses run eagerly, second uses capture (each batch bucket); a prefill runs once per
     # generation, so a graphed one is captured by a second pass
-    for _ in range(2 if dec.graphs and getattr(dec, "prefill_graph_tokens", 0) > 0 else 1):
+    if warmup_passes is None:
+        warmup_passes = 2 if dec.graphs and getattr(dec, "prefill_graph_tokens", 0) > 0 else 1
+    for _ in range(warmup_passes):
         for batch in batches:
             gen(batch)
     per_run, walls, toks, outs = [], [], [], []
@@ -505,6 +509,7 @@ def run_speedup(
     prefill_graph_tokens: int | None = None,
     gc_pause: bool = False,
     overlap_context: bool = True,
+    warmup_passes: int | None = None,
 ) -> dict:
     """Measure (a), (b), (c) for each batch size on ``pair`` (speedup_setup.Pair); write results if output_dir.
 
@@ -527,7 +532,8 @@ def run_speedup(
     compare tokens/s and outside_steps_ms, not only the steps), recorded. overlap_context: every Decoder's (the
     drafter's context K/V written on a side stream beside the verify's last target layers; False: in line before
     them, right after the last tapped layer),
-    recorded.
+    recorded. warmup_passes: untimed passes before each runtime measurement (None: time_runtime's own count;
+    0 in tests under Triton's interpreter, where timings mean nothing), recorded when given.
     hf_check_tokens: 0 = off; n > 0 = HF greedy ``generate`` of every prompt once (n new tokens per row, untimed,
     in batches of max(batch_sizes) rows, :func:`hf_greedy`), compared at each batch size with the headline
     mode's AR and spec rows (:func:`compare_with_hf`): ``results["hf_check"]`` and each batch row's
@@ -564,6 +570,7 @@ def run_speedup(
         "prefill_graph_tokens": int(prefill_graph_tokens),  # 0: eager prefill
         "gc_pause": bool(gc_pause),  # the decode loops ran with Python's cyclic GC off
         "overlap_context": bool(overlap_context),  # the drafter's context K/V beside the verify's last layers
+        **({} if warmup_passes is None else {"warmup_passes": int(warmup_passes)}),  # a test's override only
         **(extra or {}),
         "attention": attention_in_use(device),  # what decode blocks ran (prefill: SDPA), fallbacks applied
         "gemm": gemm_in_use(device),  # what the target's decode-sized projections ran, fallbacks applied
@@ -612,7 +619,9 @@ def run_speedup(
             dec = Decoder(target, drafter, max_len=max_len, **decoder_options)
             for N in batch_sizes:
                 prompts = prompts_of[N]
-                sub = _measure_mode(dec, prompts, *measured, batch_size=N, prompt_index=index_of[N])
+                sub = _measure_mode(
+                    dec, prompts, *measured, batch_size=N, prompt_index=index_of[N], warmup_passes=warmup_passes
+                )
                 if mode is not None:
                     first_ar.setdefault(N, sub["ar"]["sequences"])
                     sub["first_mode"] = cross_mode(target, prompts, first_ar[N], sub, sampled, index_of[N])
@@ -730,12 +739,15 @@ def _measure_mode(
     *,
     batch_size=None,
     prompt_index=None,
+    warmup_passes=None,
 ) -> dict:
     """(b) and (c) on one Decoder (one GDN mode), their lossless flag and ratios: one (sub-)row. Every row
     of ``prompts`` is decoded in batches of ``batch_size`` (:func:`time_runtime`); lossless = every row of
     every batch equal, the divergence naming its row over all batches and its prompt (``prompt_index``).
     Sampled runs (temperature > 0) have no token-level lossless flag: ``lossless`` is None there."""
-    timed = dict(runs=runs, progress=progress, sampling=sampling, seed=seed, batch_size=batch_size)
+    timed = dict(
+        runs=runs, progress=progress, sampling=sampling, seed=seed, batch_size=batch_size, warmup_passes=warmup_passes
+    )
     ar = time_runtime(dec, prompts, max_new_tokens, spec=False, **timed)
     spec = time_runtime(dec, prompts, max_new_tokens, spec=True, **timed)
     step, spec_step = ar["ms_per_step"]["median"], spec["ms_per_step"]["median"]
