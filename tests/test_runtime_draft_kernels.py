@@ -358,10 +358,12 @@ def test_fused_draft_step_equals_the_eager_step(runtime_target, kind, monkeypatc
 
     lengths = torch.tensor([4, 9, 1])
     both(run.append, taps[:, :9], lengths)
-    for keep in ([3, 1, 8], [1, 2, 1], [8, 8, 8]):
+    # two ragged steps (a row keeping 1, rows keeping all 8): the interpreter's time is per drafted step
+    for step, keep in enumerate(([3, 1, 8], [8, 8, 8])):
         anchor = ids.gather(1, contexts[0].lengths[:, None])[:, 0]
-        hidden = both(run.hidden, anchor, kv_len=40)
-        torch.testing.assert_close(*hidden, rtol=1e-5, atol=1e-5)
+        if step == 0:  # the hidden states themselves once (propose runs the same forward every step)
+            hidden = both(run.hidden, anchor, kv_len=40)
+            torch.testing.assert_close(*hidden, rtol=1e-5, atol=1e-5)
         drafts = both(run.propose, anchor, SamplingParams(), kv_len=40)
         assert torch.equal(drafts[0].tokens, drafts[1].tokens)
         positions = contexts[0].lengths[:, None] + torch.arange(8)
