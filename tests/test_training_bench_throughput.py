@@ -5,6 +5,7 @@ variant that runs out of memory."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import math
 from collections import Counter
 from types import SimpleNamespace
@@ -154,7 +155,10 @@ def test_target_count_equals_the_matmuls_of_its_forward():
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench.json"
-    results = bt.run([*TINY, "--peak-tflops", "0.01", "--profile", "--out", str(out)])
+    trace = out.parent / "step_trace.json"
+    results = bt.run(
+        [*TINY, "--peak-tflops", "0.01", "--profile", "--profile-top", "5", "--profile-trace", str(trace), "--out", str(out)]
+    )
     return results, json.loads(out.read_text())
 
 
@@ -209,10 +213,14 @@ def test_tiny_run_profiles_one_step(tiny_run):
     _, saved = tiny_run
     prof = saved["profile"]
     assert prof["variant"] == "dense / chunked CE / offline"  # the headline (flex) cannot run on the CPU
-    assert 1 <= len(prof["rows"]) <= 10 and _positive(prof["step_ms"]) and _positive(prof["total_ms"])
+    assert len(prof["rows"]) == 5 and _positive(prof["step_ms"]) and _positive(prof["total_ms"])  # --profile-top 5
     times = [r["ms"] for r in prof["rows"]]
     assert times == sorted(times, reverse=True) and all(r["calls"] >= 1 for r in prof["rows"])
     assert "aten::mm" in {r["name"] for r in prof["rows"]}
+    assert "ops" not in prof  # the operator view needs kernels: a GPU's
+    trace = json.loads(Path(prof["trace"]).read_text())  # --profile-trace: the step's Chrome trace
+    assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
+    assert f"Chrome trace of the step: {prof['trace']}" in bt.report_text(tiny_run[0])
 
 
 def test_tiny_run_prints_the_table(tiny_run):

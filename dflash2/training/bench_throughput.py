@@ -58,8 +58,9 @@ drafter attention (12 · H·h · layers · *attended* (query, key) pairs: only t
 for flex and dense alike) + the frozen LM head (4 · d·V · drafted positions: forward and the gradient
 to the hidden states, no weight gradient) + for online rows the target forward (2 × decoder linear
 weights × sequence tokens + causal attention). "MFU excl. target" drops the last term from the
-numerator only. ``--profile``: the top-10 CUDA kernels of one more step of the headline variant
-(flex, chunked, offline; on the CPU the first row that ran, by CPU operator).
+numerator only. ``--profile``: one more step of the headline variant (flex, chunked, offline; on the CPU
+the first row that ran, by CPU operator): its top CUDA kernels and the operators that launched them
+(``--profile-top`` rows, default 10), and with ``--profile-trace`` its Chrome trace.
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def measure(bench: Bench, variant: Variant, a: argparse.Namespace, peak: float |
             step += a.steps
         recompiled = compiled_graphs() - graphs_warm
         peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-        prof = profile_one_step(runner, step, device) if profile else None
+        prof = profile_one_step(runner, step, device, a.profile_top, a.profile_trace) if profile else None
     finally:
         runner.close()
     flops, drafted = mean_flops(bench, variant, timed)
@@ -295,6 +296,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--peak-tflops", type=float, default=None, help="peak dense bf16 TFLOP/s for MFU (default: H200 989.4 on CUDA)"
     )
     p.add_argument("--profile", action="store_true", help="top-10 CUDA kernels of one step of the headline variant")
+    p.add_argument("--profile-top", type=int, default=10, help="rows of the profile's kernel and operator tables")
+    p.add_argument("--profile-trace", default=None, help="with --profile: write the step's Chrome trace here")
     p.add_argument("--out", type=Path, default=None, help="write every row, the environment and the command as JSON")
     p.add_argument(
         "--set",

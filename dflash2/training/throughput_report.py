@@ -91,7 +91,9 @@ def column_lines() -> list[str]:
 
 def top_kernels(prof, device_type: str, limit: int = 10) -> dict:
     """The ``limit`` largest self times of one profiled step: CUDA kernels on a GPU, CPU operators on the
-    CPU (it has no kernels). Returns {"what", "total_ms", "rows": [{"name", "calls", "ms", "share"}]}."""
+    CPU (it has no kernels). Returns {"what", "total_ms", "rows": [{"name", "calls", "ms", "share"}]}; on a
+    GPU also "ops": the operators whose own launches took the most kernel time (a kernel's time counted
+    once, against the innermost operator that launched it), which names what a kernel was doing."""
     from torch.autograd import DeviceType
 
     events = prof.key_averages()
@@ -102,9 +104,16 @@ def top_kernels(prof, device_type: str, limit: int = 10) -> dict:
         picked = list(events)
         time_of, what = (lambda e: e.self_cpu_time_total), "CPU operators (self time; no kernels on the CPU)"
     total = sum(time_of(e) for e in picked) or 1.0
-    top = sorted(picked, key=time_of, reverse=True)[:limit]
-    rows = [{"name": e.key, "calls": int(e.count), "ms": time_of(e) / 1e3, "share": time_of(e) / total} for e in top]
-    return {"what": what, "total_ms": total / 1e3, "rows": rows}
+
+    def rows(chosen, time):
+        top = sorted(chosen, key=time, reverse=True)[:limit]
+        return [{"name": e.key, "calls": int(e.count), "ms": time(e) / 1e3, "share": time(e) / total} for e in top]
+
+    out = {"what": what, "total_ms": total / 1e3, "rows": rows(picked, time_of)}
+    if device_type == "cuda":
+        launched = [e for e in events if e.device_type == DeviceType.CPU and e.self_device_time_total > 0]
+        out["ops"] = rows(launched, lambda e: e.self_device_time_total)
+    return out
 
 
 def profile_table(profile: dict) -> str:
@@ -117,6 +126,17 @@ def profile_table(profile: dict) -> str:
     for i, r in enumerate(profile["rows"], start=1):
         name = r["name"] if len(r["name"]) <= 90 else r["name"][:87] + "..."
         lines.append(f"| {i} | `{name}` | {r['calls']} | {r['ms']:.2f} | {100 * r['share']:.1f}% |")
+    if profile.get("ops"):
+        lines += [
+            "",
+            f"Top {len(profile['ops'])} operators by the kernel time of their own launches (same step):",
+            "| # | operator | calls | ms | share |",
+            "|---:|---|---:|---:|---:|",
+        ]
+        for i, r in enumerate(profile["ops"], start=1):
+            lines.append(f"| {i} | `{r['name'][:90]}` | {r['calls']} | {r['ms']:.2f} | {100 * r['share']:.1f}% |")
+    if profile.get("trace"):
+        lines.append(f"Chrome trace of the step: {profile['trace']}")
     return "\n".join(lines)
 
 

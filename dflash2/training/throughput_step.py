@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from contextlib import nullcontext
 
 import torch
@@ -110,8 +111,11 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def profile_one_step(runner: StepRunner, step: int, device: torch.device) -> dict:
-    """torch.profiler over one more step: its top-10 CUDA kernels (CPU operators on the CPU)."""
+def profile_one_step(
+    runner: StepRunner, step: int, device: torch.device, top: int = 10, trace: str | None = None
+) -> dict:
+    """torch.profiler over one more step: its ``top`` CUDA kernels and operators (CPU operators on the
+    CPU); ``trace``: also write the step's Chrome trace there (gzipped when the name ends in .gz)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -121,4 +125,9 @@ def profile_one_step(runner: StepRunner, step: int, device: torch.device) -> dic
         runner.step(step)
         synchronize(device)
         wall = time.perf_counter() - t0
-    return {**top_kernels(prof, device.type), "step_ms": wall * 1e3}
+    result = {**top_kernels(prof, device.type, limit=top), "step_ms": wall * 1e3}
+    if trace:
+        Path(trace).parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(trace)
+        result["trace"] = str(trace)
+    return result
