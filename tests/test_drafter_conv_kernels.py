@@ -120,6 +120,8 @@ def test_a_dflash2_drafter_with_the_kernels_equals_it_without(device, interpret)
     finally:
         conv_kernels.conv_side = real
     assert len(calls) == 2, "the kernels did not run for both sides"
+    # the report's flag says so too (it once probed with shapes the kernels refuse, and said False)
+    assert conv_kernels.conv_kernels_run(fused, torch.device(device))
     _, plain, mine = outs  # (the fp64 output: the gradients' reference below)
     torch.testing.assert_close(mine, plain)
     assert grads[0].keys() == grads[1].keys() == grads[2].keys() and grads[0]
@@ -134,6 +136,7 @@ def test_a_dflash2_drafter_with_the_kernels_equals_it_without(device, interpret)
 def test_a_group_size_the_kernels_cannot_tile_keeps_the_torch_code():
     x, delta = torch.zeros(1, 4, 36), torch.zeros(1, 4, 2, 2, 3)
     assert not conv_kernels.kernels_apply(x, delta, 12)  # not a power of two (and CPU tensors outside the fixture)
+    assert not conv_kernels.conv_kernels_run(BlockLocalConv(36, 2, 12), torch.device("cpu"))
 
 
 @pytest.mark.parametrize("device", kernel_devices())

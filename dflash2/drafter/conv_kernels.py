@@ -68,24 +68,25 @@ def kernels_apply(x: torch.Tensor, delta: torch.Tensor, group_size: int) -> bool
         and delta.shape[-1] * gs == x.shape[-1]
     )
     dtypes = {x.dtype, delta.dtype} <= {torch.float32, torch.bfloat16, torch.float16}  # fp64 stays torch's
-    return (
-        shapes
-        and dtypes
-        and use_triton(x)
-        and delta.device == x.device
-        and gs & (gs - 1) == 0
-        and gs <= MAX_BLOCK_CHANNELS
-    )
+    return shapes and dtypes and delta.device == x.device and _runs_where(x, gs)
+
+
+def _runs_where(x: torch.Tensor, group_size: int) -> bool:
+    """The conditions that do not depend on the call's shapes: Triton runs on x's device, and the group size
+    tiles (a power of two of at most MAX_BLOCK_CHANNELS channels)."""
+    gs = int(group_size)
+    return use_triton(x) and gs & (gs - 1) == 0 and gs <= MAX_BLOCK_CHANNELS
 
 
 def conv_kernels_run(drafter, device) -> bool:
     """Whether ``drafter.conv_kernels`` would run the kernels for ``drafter`` on ``device`` (a report's flag):
-    it has the conv, the kernels run there and its group size tiles."""
+    it has the conv, the kernels run there and its group size tiles (the drafter's own tensors always have
+    the shapes the kernels take)."""
     from dflash2.drafter.local_conv import BlockLocalConv
 
     convs = [m for m in drafter.modules() if isinstance(m, BlockLocalConv)]
     probe = torch.empty(0, device=device)
-    return bool(convs) and all(kernels_apply(probe, probe, m.group_size) for m in convs)
+    return bool(convs) and all(_runs_where(probe, m.group_size) for m in convs)
 
 
 # ------------------------------------------------------------------------------------------ kernels
