@@ -46,6 +46,7 @@ from dflash2.runtime.kernels.triton_util import rtne_bf16
 
 BLOCK_ROWS = 32  # positions per program
 MAX_BLOCK_CHANNELS = 128  # channels per program (a multiple of every power-of-two group size up to it)
+WARPS = 4  # per program (Triton's default)
 
 
 # -------------------------------------------------------------------------------------------- twins
@@ -181,6 +182,7 @@ class _ConvSide(torch.autograd.Function):
         jit(_conv_forward_kernel)[grid](
             xc, dc, base_x, out, R, T, C, 2 * K * G, side * K * G, side * K * C,
             B=block_size, K=K, G=G, GS=group_size, BR=BLOCK_ROWS, BC=BC, OUT_BF16=out_dtype == torch.bfloat16,
+            num_warps=WARPS,
         )  # fmt: skip
         ctx.save_for_backward(xc, dc, base_x)
         ctx.conf = (side, block_size, group_size, base.dtype, base.shape)
@@ -203,7 +205,7 @@ class _ConvSide(torch.autograd.Function):
         jit(_conv_backward_kernel)[grid](
             gc, xc, dc, base_x, grad_x, grad_d, partial, R, T, C, 2 * K * G, side * K * G, side * K * C,
             B=block_size, K=K, G=G, GS=group_size, BR=BLOCK_ROWS, BC=BC,
-            GX_BF16=grad_x.dtype == torch.bfloat16, GD_BF16=grad_d.dtype == torch.bfloat16,
+            GX_BF16=grad_x.dtype == torch.bfloat16, GD_BF16=grad_d.dtype == torch.bfloat16, num_warps=WARPS,
         )  # fmt: skip
         grad_base = torch.zeros(base_shape, dtype=torch.float32, device=xc.device)
         grad_base[side] = partial.sum(0)

@@ -38,10 +38,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    # drafter.norm_kernels: the forward and backward as the Triton kernels of norm_kernels.py where they run (set
+    # on every norm of a drafter by set_norm_kernels; off by default, and the torch code wherever they cannot run)
+    use_kernels: bool = False
+
     def forward(self, x):
+        if self.use_kernels:
+            from dflash2.drafter.norm_kernels import kernels_apply, rms_norm_kernels
+
+            if kernels_apply(x, self.weight):
+                return rms_norm_kernels(x, self.weight, self.eps)
         # fp32 statistics and product, one rounding back to the input dtype (bf16-safe): rms_norm_reference's
         # values and gradients, in fewer passes over the activation and keeping less of it (rms_norm.py)
         return rms_norm(x, self.weight, self.eps)
+
+
+def set_norm_kernels(module: nn.Module, flag: bool) -> None:
+    """Switch every RMSNorm inside ``module`` to (or from) the Triton kernels (``drafter.norm_kernels``)."""
+    for m in module.modules():
+        if isinstance(m, RMSNorm):
+            m.use_kernels = bool(flag)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):

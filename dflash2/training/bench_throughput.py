@@ -81,7 +81,12 @@ from tqdm.auto import tqdm
 
 from dflash2.drafter.objective import row_anchor_generator, sample_anchors
 from dflash2.errors import DFlash2Error
-from dflash2.training.preflight import check_conv_kernels, check_loss_keep_logits, check_loss_kernels
+from dflash2.training.preflight import (
+    check_conv_kernels,
+    check_loss_keep_logits,
+    check_loss_kernels,
+    check_norm_kernels,
+)
 from dflash2.training.throughput_flops import StepFlops, step_flops
 from dflash2.training.throughput_report import (
     H200_BF16_DENSE_FLOPS,
@@ -154,6 +159,7 @@ def measure(bench: Bench, variant: Variant, a: argparse.Namespace, peak: float |
     runner_impl = runner.optimizer_impl  # fused | foreach | for_loop: what drafter.optimizer_impl resolved to
     runner_kernels = runner.loss_kernels  # the chunked CE's Triton passes ran (drafter.loss_kernels)
     runner_conv = runner.conv_kernels  # the conv's Triton kernels ran (drafter.conv_kernels)
+    runner_norm = runner.norm_kernels  # the RMSNorms' Triton kernels ran (drafter.norm_kernels)
     runner_kept = runner.loss_keep_logits  # the chunked loss kept its logits (drafter.loss_keep_logits)
     try:
         if device.type == "cuda":
@@ -193,6 +199,7 @@ def measure(bench: Bench, variant: Variant, a: argparse.Namespace, peak: float |
         "optimizer": runner_impl,
         "loss_kernels": runner_kernels,
         "conv_kernels": runner_conv,
+        "norm_kernels": runner_norm,
         "loss_keep_logits": runner_kept,
         "step_ms": {"median": med * 1e3, "min": min(samples) * 1e3, "max": max(samples) * 1e3},
         "step_ms_samples": [s * 1e3 for s in samples],
@@ -363,6 +370,7 @@ def run(argv: list[str] | None = None) -> dict:
             "loss_chunk_positions": bench.chunk,
             "loss_kernels": check_loss_kernels(bench.settings.get("loss_kernels")),
             "conv_kernels": check_conv_kernels(bench.settings.get("conv_kernels")),
+            "norm_kernels": check_norm_kernels(bench.settings.get("norm_kernels")),
             "loss_keep_logits": check_loss_keep_logits(bench.settings.get("loss_keep_logits")),
             "drafter_overrides": a.set or [],
             "pinned_batches": bench.pinned,

@@ -17,6 +17,7 @@ import lightning as L
 import torch
 
 from dflash2.drafter.local_conv import set_conv_kernels
+from dflash2.drafter.model import set_norm_kernels
 from dflash2.drafter.masks import FLEX_MIN_HEAD_DIM, uses_flex
 from dflash2.drafter.objective import (
     WeightTotal,
@@ -41,6 +42,7 @@ from dflash2.training.preflight import (
     check_conv_kernels,
     check_loss_chunk_positions,
     check_loss_keep_logits,
+    check_norm_kernels,
     check_loss_kernels,
     drafter_config_differences,
 )
@@ -68,6 +70,7 @@ class DrafterTrainingModule(L.LightningModule):
         loss_chunk_positions: int = 0,
         loss_kernels: bool = False,
         conv_kernels: bool = False,
+        norm_kernels: bool = False,
         loss_keep_logits: bool = False,
         attention: str = "auto",
         optimizer_impl: str = "auto",
@@ -88,6 +91,7 @@ class DrafterTrainingModule(L.LightningModule):
             loss_chunk_positions=loss_chunk_positions,
             loss_kernels=loss_kernels,
             conv_kernels=conv_kernels,
+            norm_kernels=norm_kernels,
             loss_keep_logits=loss_keep_logits,
             attention=attention,
             optimizer_impl=optimizer_impl,
@@ -116,6 +120,10 @@ class DrafterTrainingModule(L.LightningModule):
         # matmul per chunk fewer, M · V logits held through the step; drafter.loss_keep_logits)
         self.loss_keep_logits = check_loss_keep_logits(loss_keep_logits)
         set_conv_kernels(drafter, self.conv_kernels)
+        # the drafter's RMSNorms' forward and backward as Triton kernels where they run (CUDA; norm_kernels.py),
+        # set on every norm of this drafter (drafter.norm_kernels); rms_norm.py's torch code elsewhere and when off
+        self.norm_kernels = check_norm_kernels(norm_kernels)
+        set_norm_kernels(drafter, self.norm_kernels)
         # auto | flex | dense: the drafter's training attention, decided per step on the batch's device
         # (drafter.attention, docs/TRAINING.md "Block-sparse attention in training")
         self.attention = check_attention(attention)

@@ -42,28 +42,30 @@ def check_loss_kernels(value) -> bool:
     return value
 
 
-def check_loss_keep_logits(value) -> bool:
-    """``drafter.loss_keep_logits`` as a bool (null = false: the chunked loss recomputes each chunk's logits)."""
+def _check_switch(key: str, value, what: str) -> bool:
+    """A ``drafter.<key>`` on/off switch as a bool (null = false), or a one-line error saying what it does."""
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise DFlash2Error(
-            f"drafter.loss_keep_logits={value!r} must be true or false "
-            "(the chunked loss's logits kept from forward to backward instead of recomputed)"
-        )
+        raise DFlash2Error(f"drafter.{key}={value!r} must be true or false ({what})")
     return value
+
+
+def check_loss_keep_logits(value) -> bool:
+    """``drafter.loss_keep_logits`` as a bool (null = false: the chunked loss recomputes each chunk's logits)."""
+    return _check_switch(
+        "loss_keep_logits", value, "the chunked loss's logits kept from forward to backward instead of recomputed"
+    )
 
 
 def check_conv_kernels(value) -> bool:
     """``drafter.conv_kernels`` as a bool (null = false: the block-local conv's torch code)."""
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise DFlash2Error(
-            f"drafter.conv_kernels={value!r} must be true or false "
-            "(the DFlash2 block-local conv's forward and backward as Triton kernels)"
-        )
-    return value
+    return _check_switch("conv_kernels", value, "the DFlash2 block-local conv's forward and backward as Triton kernels")
+
+
+def check_norm_kernels(value) -> bool:
+    """``drafter.norm_kernels`` as a bool (null = false: the RMSNorm's torch code, rms_norm.py)."""
+    return _check_switch("norm_kernels", value, "the drafter's RMSNorm forward and backward as Triton kernels")
 
 
 def check_attention(value, device: str | None = None) -> str:

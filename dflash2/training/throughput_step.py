@@ -46,6 +46,10 @@ class StepRunner:
         from dflash2.drafter.conv_kernels import conv_kernels_run
 
         self.conv_kernels = self.module.conv_kernels and conv_kernels_run(bench.drafter, self.device)
+        # drafter.norm_kernels likewise: the RMSNorms run as Triton kernels (norm_kernels.py)
+        from dflash2.drafter.norm_kernels import norm_kernels_run
+
+        self.norm_kernels = self.module.norm_kernels and norm_kernels_run(bench.drafter, self.device)
         # drafter.loss_keep_logits as it applies here: only the chunked loss keeps logits
         self.loss_keep_logits = bool(self.module.loss_chunk_positions) and self.module.loss_keep_logits
         # drafter.loss_kernels as it applies here: the chunked CE's Triton passes run (chunked_head.py)

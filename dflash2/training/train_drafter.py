@@ -44,6 +44,7 @@ from dflash2.training.preflight import (
     check_conv_kernels,
     check_loss_chunk_positions,
     check_loss_keep_logits,
+    check_norm_kernels,
     check_loss_kernels,
     check_resume_checkpoint,
     check_sequences_fit_the_context,
@@ -106,6 +107,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict | None:
     loss_chunk = check_loss_chunk_positions(settings.get("loss_chunk_positions"))
     check_loss_kernels(settings.get("loss_kernels"))
     check_conv_kernels(settings.get("conv_kernels"))
+    check_norm_kernels(settings.get("norm_kernels"))
     check_loss_keep_logits(settings.get("loss_keep_logits"))
     attention = check_attention(settings.get("attention"), regeneration_device(cfg))
     check_optimizer_impl(settings.get("optimizer_impl"))
@@ -301,6 +303,7 @@ def training_module(
         loss_chunk_positions=loss_chunk,
         loss_kernels=check_loss_kernels(settings.get("loss_kernels")),
         conv_kernels=check_conv_kernels(settings.get("conv_kernels")),
+        norm_kernels=check_norm_kernels(settings.get("norm_kernels")),
         loss_keep_logits=check_loss_keep_logits(settings.get("loss_keep_logits")),
         attention=attention,
         optimizer_impl=check_optimizer_impl(settings.get("optimizer_impl")),
