@@ -38,24 +38,26 @@ def test_a_row_says_which_optimiser_stepped_and_set_changes_it(monkeypatch):
     assert default["rows"][0]["optimizer"] == "for_loop"  # auto on the CPU: torch's default
     assert default["settings"]["pinned_batches"] is False and default["settings"]["drafter_overrides"] == []
     assert moved and moved[0] == ["anchor_keys", "input_ids", "loss_mask", "target_taps"]  # the module's hook
-    assert default["settings"]["loss_kernels"] is False and default["rows"][0]["loss_kernels"] is False
-    assert default["settings"]["conv_kernels"] is False and default["rows"][0]["conv_kernels"] is False
-    over = ["--set", "optimizer_impl=foreach", "--set", "loss_kernels=true", "--set", "conv_kernels=true"]
+    # the config's defaults ask for the training kernels and the kept logits; on CPU tensors (no interpreter
+    # context) the rows say the torch code ran, and the logits are kept (no kernel needed)
+    for key in ("loss_kernels", "conv_kernels", "norm_kernels", "loss_keep_logits"):
+        assert default["settings"][key] is True, key
+    assert not any(default["rows"][0][key] for key in ("loss_kernels", "conv_kernels", "norm_kernels"))
+    assert default["rows"][0]["loss_keep_logits"] is True
+    over = ["--set", "optimizer_impl=foreach", "--set", "loss_kernels=false", "--set", "conv_kernels=false"]
+    over += ["--set", "norm_kernels=false", "--set", "loss_keep_logits=false"]
     foreach = bt.run([*ONE_ROW, *over])
     assert foreach["rows"][0]["optimizer"] == "foreach"
     assert foreach["settings"]["drafter_overrides"] == [
         "optimizer_impl=foreach",
-        "loss_kernels=true",
-        "conv_kernels=true",
+        "loss_kernels=false",
+        "conv_kernels=false",
+        "norm_kernels=false",
+        "loss_keep_logits=false",
     ]
-    # drafter.loss_kernels / conv_kernels asked for; on CPU tensors (no interpreter context) the row says the
-    # torch code ran
-    assert foreach["settings"]["loss_kernels"] is True and foreach["rows"][0]["loss_kernels"] is False
-    assert foreach["settings"]["conv_kernels"] is True and foreach["rows"][0]["conv_kernels"] is False
-    assert default["settings"]["loss_keep_logits"] is False
-    kept = bt.run([*ONE_ROW, "--set", "loss_keep_logits=true"])
-    assert kept["settings"]["loss_keep_logits"] is True and kept["rows"][0]["status"] == "ok"
-    assert kept["rows"][0]["loss_keep_logits"] is True and default["rows"][0]["loss_keep_logits"] is False
+    for key in ("loss_kernels", "conv_kernels", "norm_kernels", "loss_keep_logits"):
+        assert foreach["settings"][key] is False and foreach["rows"][0][key] is False, key
+    assert foreach["rows"][0]["status"] == "ok"
 
 
 @pytest.mark.cuda
@@ -64,9 +66,8 @@ def test_on_cuda_the_batches_are_pinned_and_the_optimiser_fused():
     results = bt.run([*argv, "--warmup", "1", "--steps", "1", "--repeats", "1"])
     assert results["settings"]["pinned_batches"] is True
     assert results["rows"][0]["status"] == "ok" and results["rows"][0]["optimizer"] == "fused"
-    both = ["--set", "loss_kernels=true", "--set", "conv_kernels=true"]
-    kernels = bt.run([*argv, "--warmup", "1", "--steps", "1", "--repeats", "1", *both])
-    assert kernels["rows"][0]["status"] == "ok" and kernels["rows"][0]["loss_kernels"] is True
-    assert kernels["rows"][0]["conv_kernels"] is True
+    # the config's defaults: on a GPU the kernels run, and the row says so
+    for key in ("loss_kernels", "conv_kernels", "norm_kernels", "loss_keep_logits"):
+        assert results["rows"][0][key] is True, key
     pageable = bt.run([*argv, "--warmup", "1", "--steps", "1", "--repeats", "1", "--pin-memory", "false"])
     assert pageable["settings"]["pinned_batches"] is False and pageable["rows"][0]["status"] == "ok"

@@ -44,9 +44,14 @@ from torch.autograd.function import once_differentiable
 from dflash2.runtime.kernels import jit, use_triton
 from dflash2.runtime.kernels.triton_util import rtne_bf16
 
-BLOCK_ROWS = 32  # positions per program
-MAX_BLOCK_CHANNELS = 128  # channels per program (a multiple of every power-of-two group size up to it)
-WARPS = 4  # per program (Triton's default)
+# The tile: 8 positions × 64 channels, 4 warps, the fastest forward + backward of a sweep over positions
+# {8, 16, 32, 64} × channels {64, 128, 256} × warps {4, 8} on the H200 at the Qwen3-8B recipe's sides (16,384
+# positions × 4096, group 16): fp32 x 1848 -> 1215 µs against the previous 32 × 128, bf16 1640 -> 1072 µs
+# (docs/BENCHMARKS.md, stop 19)
+BLOCK_ROWS = 8  # positions per program
+BLOCK_CHANNELS = 64  # channels per program, or the group size when wider
+MAX_BLOCK_CHANNELS = 128  # the widest group a tile may hold
+WARPS = 4  # per program
 
 
 # -------------------------------------------------------------------------------------------- twins
@@ -162,7 +167,7 @@ def _conv_backward_kernel(
 
 
 def _tiles(C: int, group_size: int) -> int:
-    return max(min(MAX_BLOCK_CHANNELS, triton.next_power_of_2(C)), int(group_size))
+    return max(min(BLOCK_CHANNELS, triton.next_power_of_2(C)), int(group_size))
 
 
 class _ConvSide(torch.autograd.Function):
