@@ -18,8 +18,9 @@ from dflash2.drafter.rms_norm import rms_norm_reference
 
 norm_kernels = pytest.importorskip("dflash2.drafter.norm_kernels")
 
-# (lead, d): rows of several widths (a tile holds 4096 / d rows, one row from d = 4096 on), d not a power of two (masked columns), rows not a multiple of the tile's,
-# enough row tiles that each backward program walks several (the interpreter runs 4)
+# (lead, d): rows of several widths (a tile holds 4096 / d rows, one row from d = 4096 on), d not a power of
+# two (masked columns), rows not a multiple of the tile's, enough row tiles that each backward program walks
+# several (the interpreter runs 4)
 CASES = [((3, 5), 64), ((2, 7, 4), 128), ((11,), 96), ((4, 9), 40), ((37,), 512), ((1,), 5000)]
 EPS = 1e-6
 

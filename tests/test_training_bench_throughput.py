@@ -5,9 +5,9 @@ variant that runs out of memory."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 import math
 from collections import Counter
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -156,9 +156,8 @@ def test_target_count_equals_the_matmuls_of_its_forward():
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     trace = out.parent / "step_trace.json"
-    results = bt.run(
-        [*TINY, "--peak-tflops", "0.01", "--profile", "--profile-top", "5", "--profile-trace", str(trace), "--out", str(out)]
-    )
+    profile = ["--profile", "--profile-top", "5", "--profile-trace", str(trace)]
+    results = bt.run([*TINY, "--peak-tflops", "0.01", *profile, "--out", str(out)])
     return results, json.loads(out.read_text())
 
 

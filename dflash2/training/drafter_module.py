@@ -17,8 +17,8 @@ import lightning as L
 import torch
 
 from dflash2.drafter.local_conv import set_conv_kernels
-from dflash2.drafter.model import set_norm_kernels
 from dflash2.drafter.masks import FLEX_MIN_HEAD_DIM, uses_flex
+from dflash2.drafter.model import set_norm_kernels
 from dflash2.drafter.objective import (
     WeightTotal,
     anchor_generator,
@@ -42,8 +42,8 @@ from dflash2.training.preflight import (
     check_conv_kernels,
     check_loss_chunk_positions,
     check_loss_keep_logits,
-    check_norm_kernels,
     check_loss_kernels,
+    check_norm_kernels,
     drafter_config_differences,
 )
 from dflash2.training.schedule import cosine_with_warmup

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
