@@ -304,9 +304,9 @@ def test_where_the_kernels_cannot_run_fused_is_the_torch_passes(monkeypatch):
 
 
 # ---------------------------------------------------------------------------- the training switch
-def test_the_switch_is_off_in_every_drafter_config_and_no_config_sets_serving_scales():
+def test_the_switch_is_on_in_every_drafter_config_and_no_config_sets_serving_scales():
     """The key and the scales are set in drafter/dflash.yaml only, which every other drafter config extends
-    (tests/test_configs.py composes them all): the kernels are off, and would apply to every shipped drafter.
+    (tests/test_configs.py composes them all): the kernels are on (since stop 19), and apply to every shipped drafter.
     The override composes into the settings the training module is built from."""
     import yaml
 
@@ -314,14 +314,14 @@ def test_the_switch_is_off_in_every_drafter_config_and_no_config_sets_serving_sc
     from dflash2.training.throughput_setup import drafter_settings
 
     base = yaml.safe_load((Path(CONFIG_DIR) / "drafter" / "dflash.yaml").read_text())
-    assert base["loss_kernels"] is False
+    assert base["loss_kernels"] is True
     assert base["output_multiplier"] == 1.0 and base["final_logit_softcapping"] is None
     for path in sorted((Path(CONFIG_DIR) / "drafter").glob("*.yaml")):
         if path.name != "dflash.yaml":
             cfg = yaml.safe_load(path.read_text())
             assert cfg["defaults"][0] == "dflash", path.name
             assert not {"loss_kernels", "output_multiplier", "final_logit_softcapping"} & set(cfg), path.name
-    assert drafter_settings("dflash2", {"loss_kernels": "true"})["loss_kernels"] is True
+    assert drafter_settings("dflash2", {"loss_kernels": "false"})["loss_kernels"] is False
 
 
 def _module_and_batch(make_spec_target, make_spec_drafter, loss_kernels):

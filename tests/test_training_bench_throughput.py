@@ -156,7 +156,7 @@ def test_target_count_equals_the_matmuls_of_its_forward():
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     trace = out.parent / "step_trace.json"
-    profile = ["--profile", "--profile-top", "5", "--profile-trace", str(trace)]
+    profile = ["--profile", "--profile-top", "12", "--profile-trace", str(trace)]
     results = bt.run([*TINY, "--peak-tflops", "0.01", *profile, "--out", str(out)])
     return results, json.loads(out.read_text())
 
@@ -212,7 +212,7 @@ def test_tiny_run_profiles_one_step(tiny_run):
     _, saved = tiny_run
     prof = saved["profile"]
     assert prof["variant"] == "dense / chunked CE / offline"  # the headline (flex) cannot run on the CPU
-    assert len(prof["rows"]) == 5 and _positive(prof["step_ms"]) and _positive(prof["total_ms"])  # --profile-top 5
+    assert len(prof["rows"]) == 12 and _positive(prof["step_ms"]) and _positive(prof["total_ms"])  # --profile-top 12
     times = [r["ms"] for r in prof["rows"]]
     assert times == sorted(times, reverse=True) and all(r["calls"] >= 1 for r in prof["rows"])
     assert "aten::mm" in {r["name"] for r in prof["rows"]}
@@ -268,3 +268,12 @@ def test_bad_choices_are_one_line_errors():
         bt.parse_args([*TINY, "--attention", "sparse"])
     with pytest.raises(bt.DFlash2Error, match="--prompt-tokens=63"):
         synthetic_rows(1, 64, 63, 100, 99, 0)
+
+
+def test_profile_options_are_checked():
+    from dflash2.errors import DFlash2Error
+
+    with pytest.raises(DFlash2Error, match="--profile-top=0 must be >= 1"):
+        bt.parse_args([*TINY, "--profile", "--profile-top", "0"])
+    with pytest.raises(DFlash2Error, match="add --profile"):
+        bt.parse_args([*TINY, "--profile-trace", "t.json"])

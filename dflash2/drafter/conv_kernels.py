@@ -206,6 +206,8 @@ class _ConvSide(torch.autograd.Function):
         grid = (triton.cdiv(R, BLOCK_ROWS), triton.cdiv(C, BC))
         grad_x = torch.empty_like(xc)
         grad_d = torch.zeros_like(dc)  # the other side's half stays 0
+        # (R / BLOCK_ROWS, K, d) fp32, summed below: 64 MB per side at the recipe's 16,384 × 4096 with 8-row tiles,
+        # transient (its write and the sum were inside the sweep's timing that chose the tile)
         partial = torch.empty(grid[0], K, C, dtype=torch.float32, device=xc.device)
         jit(_conv_backward_kernel)[grid](
             gc, xc, dc, base_x, grad_x, grad_d, partial, R, T, C, 2 * K * G, side * K * G, side * K * C,

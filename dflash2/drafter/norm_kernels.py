@@ -91,7 +91,7 @@ def _rms_forward_kernel(
 
 def _rms_backward_kernel(
     g_ptr, x_ptr, w_ptr, r_ptr, gx_ptr, gw_ptr, R, D, tiles,
-    BR: tl.constexpr, BD: tl.constexpr, GX_BF16: tl.constexpr, NEED_GW: tl.constexpr,
+    BR: tl.constexpr, BD: tl.constexpr, GX_BF16: tl.constexpr, NEED_GX: tl.constexpr, NEED_GW: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     cols = tl.arange(0, BD)
@@ -106,10 +106,11 @@ def _rms_backward_kernel(
         g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
         r = tl.load(r_ptr + rows, mask=in_r, other=0.0)
-        a = g * w[None, :]
-        s = tl.sum(a * x, axis=1)  # (BR,)
-        gx = a * r[:, None] - x * (r * r * r * s / D)[:, None]
-        tl.store(gx_ptr + offs, _rounded(gx, gx_ptr, GX_BF16), mask=m)
+        if NEED_GX:
+            a = g * w[None, :]
+            s = tl.sum(a * x, axis=1)  # (BR,)
+            gx = a * r[:, None] - x * (r * r * r * s / D)[:, None]
+            tl.store(gx_ptr + offs, _rounded(gx, gx_ptr, GX_BF16), mask=m)
         if NEED_GW:
             gw += g * (x * r[:, None])  # masked rows and columns hold zeros
     if NEED_GW:
@@ -117,10 +118,11 @@ def _rms_backward_kernel(
 
 
 def _tiles(D: int) -> tuple[int, int, int]:
-    """(BR, BD, warps) for rows of d = D."""
+    """(BR, BD, warps) for rows of d = D: tiles of max(TILE_ELEMENTS, BD) elements, 8 warps (16 from BD = 8192
+    on), so that a thread holds ≤ 16-32 fp32 values of each (rows × BD) tensor of the backward."""
     BD = triton.next_power_of_2(D)
     BR = max(1, TILE_ELEMENTS // BD)
-    return BR, BD, 8 if BR * BD >= 4096 else 4
+    return BR, BD, 16 if BD >= 8192 else 8
 
 
 def _backward_programs(tiles: int, device: torch.device) -> int:
@@ -137,7 +139,7 @@ class _RMSNormKernels(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
         D = x.shape[-1]
-        xc = x.contiguous()
+        xc, weight = x.contiguous(), weight.contiguous()  # the kernels index both with unit strides
         R = xc.numel() // D
         out = torch.empty_like(xc)
         r = torch.empty(R, dtype=torch.float32, device=x.device)
@@ -157,15 +159,15 @@ class _RMSNormKernels(torch.autograd.Function):
         BR, BD, warps = _tiles(D)
         tiles = triton.cdiv(R, BR)
         P = _backward_programs(tiles, xc.device)
-        need_gw = ctx.needs_input_grad[1]
-        gx = torch.empty_like(xc)
+        need_gx, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gx = torch.empty_like(xc) if need_gx else xc  # (never written without NEED_GX)
         partial = torch.empty(P if need_gw else 1, D, dtype=torch.float32, device=xc.device)
         jit(_rms_backward_kernel)[(P,)](
             grad.contiguous(), xc, weight, r, gx, partial, R, D, tiles,
-            BR=BR, BD=BD, GX_BF16=gx.dtype == torch.bfloat16, NEED_GW=need_gw, num_warps=warps,
+            BR=BR, BD=BD, GX_BF16=gx.dtype == torch.bfloat16, NEED_GX=need_gx, NEED_GW=need_gw, num_warps=warps,
         )  # fmt: skip
         grad_w = partial.sum(0).to(weight.dtype) if need_gw else None
-        return (gx if ctx.needs_input_grad[0] else None), grad_w, None
+        return (gx if need_gx else None), grad_w, None
 
 
 def rms_norm_kernels(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -26,9 +26,9 @@ CUDA by default; the row's ``optimizer`` says which) and the scheduler step. Not
 itself (its logging into the result collection, callbacks, progress bar) and the data loader (nor its
 pinning: a loader thread). ``--set KEY=VALUE`` overrides a key of the drafter config group as
 ``drafter.KEY=VALUE`` does for ``train.py`` (e.g. ``--set optimizer_impl=foreach`` for the previous
-optimiser, ``--set loss_kernels=true`` for the chunked CE's Triton passes over its logits: a chunked row's
-``loss_kernels`` says whether they ran; ``--set conv_kernels=true`` for the DFlash2 conv's Triton kernels, the
-row's ``conv_kernels`` likewise; ``--set loss_keep_logits=true``: the chunked loss keeps its logits for backward).
+optimiser). The drafter config turns on the training kernels and the kept logits (``loss_kernels``: the
+chunked CE's Triton passes, ``conv_kernels``, ``norm_kernels``, ``loss_keep_logits``; each row says which
+ran): ``--set KEY=false`` turns one off, e.g. for the baseline of a same-run comparison.
 
 Variants, one row each (``--attention``, ``--ce``, ``--features`` pick a subset):
 
@@ -302,7 +302,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--peak-tflops", type=float, default=None, help="peak dense bf16 TFLOP/s for MFU (default: H200 989.4 on CUDA)"
     )
-    p.add_argument("--profile", action="store_true", help="top-10 CUDA kernels of one step of the headline variant")
+    p.add_argument(
+        "--profile", action="store_true", help="the top CUDA kernels and operators of one step of the headline variant"
+    )
     p.add_argument("--profile-top", type=int, default=10, help="rows of the profile's kernel and operator tables")
     p.add_argument("--profile-trace", default=None, help="with --profile: write the step's Chrome trace here")
     p.add_argument("--out", type=Path, default=None, help="write every row, the environment and the command as JSON")
@@ -331,6 +333,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise DFlash2Error(f"--{key}={getattr(a, key)} must be >= 1")
     if a.warmup < 0:
         raise DFlash2Error(f"--warmup={a.warmup} must be >= 0")
+    if a.profile_top < 1:
+        raise DFlash2Error(f"--profile-top={a.profile_top} must be >= 1")
+    if a.profile_trace and not a.profile:
+        raise DFlash2Error("--profile-trace writes the profiled step's trace: add --profile")
     a.selected = variants(
         _choices(a.attention, ATTENTION, "--attention"),
         _choices(a.ce, CE, "--ce"),

@@ -25,7 +25,7 @@ the arithmetic it replaced): without serving scales the served logits are float(
 stored (``logsumexp_of_float``; in backward ``raw - lse`` promotes to fp32 in the subtraction itself),
 and the last factor of the gradient is multiplied in while rounding to the head's dtype (``rounded_ops``).
 
-``fused=True`` (``drafter.loss_kernels``, off by default until timed on a GPU) runs those passes, without
+``fused=True`` (``drafter.loss_kernels``, on by default since it was timed on the H200) runs those passes, without
 serving scales, as Triton kernels (``ce_kernels.py``): one read of the logits for lse, argmax and the label's
 logit in forward, and the gradient written over the recomputed logits in one pass in backward; values to
 fp32 rounding (tests/test_chunked_head_kernels.py). With serving scales it keeps the passes here.

@@ -30,18 +30,6 @@ def check_loss_chunk_positions(value) -> int:
     return value
 
 
-def check_loss_kernels(value) -> bool:
-    """``drafter.loss_kernels`` as a bool (null = false: the chunked CE's torch passes)."""
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise DFlash2Error(
-            f"drafter.loss_kernels={value!r} must be true or false "
-            "(the chunked loss's passes over each chunk's logits as Triton kernels)"
-        )
-    return value
-
-
 def _check_switch(key: str, value, what: str) -> bool:
     """A ``drafter.<key>`` on/off switch as a bool (null = false), or a one-line error saying what it does."""
     if value is None:
@@ -49,6 +37,11 @@ def _check_switch(key: str, value, what: str) -> bool:
     if not isinstance(value, bool):
         raise DFlash2Error(f"drafter.{key}={value!r} must be true or false ({what})")
     return value
+
+
+def check_loss_kernels(value) -> bool:
+    """``drafter.loss_kernels`` as a bool (null = false: the chunked CE's torch passes)."""
+    return _check_switch("loss_kernels", value, "the chunked loss's passes over each chunk's logits as Triton kernels")
 
 
 def check_loss_keep_logits(value) -> bool:

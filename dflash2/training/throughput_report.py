@@ -134,7 +134,8 @@ def profile_table(profile: dict) -> str:
             "|---:|---|---:|---:|---:|",
         ]
         for i, r in enumerate(profile["ops"], start=1):
-            lines.append(f"| {i} | `{r['name'][:90]}` | {r['calls']} | {r['ms']:.2f} | {100 * r['share']:.1f}% |")
+            name = r["name"] if len(r["name"]) <= 90 else r["name"][:87] + "..."
+            lines.append(f"| {i} | `{name}` | {r['calls']} | {r['ms']:.2f} | {100 * r['share']:.1f}% |")
     if profile.get("trace"):
         lines.append(f"Chrome trace of the step: {profile['trace']}")
     return "\n".join(lines)
