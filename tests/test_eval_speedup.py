@@ -80,7 +80,9 @@ def _check(res, batches):
             pct = [spread["percentiles_ms"][k] for k in ("p10", "p50", "p90", "p99", "max")]
             assert pct == sorted(pct) and pct[0] > 0 and len(spread["mean_ms_by_quarter"]) == 4
             per_run = spread["per_run_ms"]  # one entry per timed run: a slow run shows apart from slow steps
-            assert len(per_run) == r["ms_per_step"]["n"] and all(x["p10"] <= x["mean"] <= x["max"] for x in per_run)
+            # (a mean may fall below p10 when a tenth of the steps are much faster: not an order to assert)
+            assert len(per_run) == r["ms_per_step"]["n"] and all(0 < x["mean"] <= x["max"] for x in per_run)
+            assert all(x["p10"] <= x["p50"] <= x["p90"] <= x["p99"] <= x["max"] for x in per_run)
             # spec: every verify step after a row's first falls in one group of the previous step's count
             groups = spread.get("mean_ms_by_previous_emitted")
             assert (groups is None) == (key == "ar")

@@ -13,12 +13,13 @@ import time
 
 import torch
 
+from dflash2.eval.speedup_rows import _stats, _sync, decoded, is_sampled, row_divergences, split_batches
+
 
 @torch.no_grad()
 def time_hf(hf, prompts: list[list[int]], new_tokens: int, runs: int, sampling: dict | None = None) -> dict:
     """HF ``generate`` (its default dynamic cache), exactly ``new_tokens`` per row; ``prompts`` as one left-padded
     batch. Greedy, or sampled with ``sampling`` (temperature > 0, top_k, top_p: :data:`GREEDY`'s keys)."""
-    from dflash2.eval.speedup import _stats, _sync, decoded, is_sampled
 
     device = hf.get_input_embeddings().weight.device
     ids, mask = left_padded(prompts, device)
@@ -65,7 +66,6 @@ def hf_greedy(hf, prompts: list[list[int]], new_tokens: int, batch_size: int) ->
     :func:`split_batches`). No EOS, like the runtime rows it is compared with (they get none): EOS is an
     ordinary token here, neither ending a row nor suppressed (``min_new_tokens`` would forbid it, which is
     not greedy)."""
-    from dflash2.eval.speedup import split_batches
 
     device = hf.get_input_embeddings().weight.device
     out = []
@@ -88,7 +88,6 @@ def hf_greedy(hf, prompts: list[list[int]], new_tokens: int, batch_size: int) ->
 
 def hf_check_skipped(pair, sampling: dict | None) -> str | None:
     """Why the HF greedy check cannot run on ``pair`` (None: it can)."""
-    from dflash2.eval.speedup import is_sampled
 
     if pair.hf is None:
         return "no HF model"
@@ -106,7 +105,6 @@ def compare_with_hf(model, hf_sequences, new_tokens: int, prompts, sub: dict, pr
     (``hf_sequences[prompt_index[r]]``), over the first ``new_tokens`` tokens. Returns rows, and per method
     (ar, spec) how many rows are equal and every differing row's divergence (:func:`row_divergences`, HF the
     reference: ``ref_token`` is HF's, ``got_token`` the runtime's)."""
-    from dflash2.eval.speedup import row_divergences
 
     ref = [hf_sequences[p][:new_tokens] for p in prompt_index]
     out = {"rows": len(ref)}
