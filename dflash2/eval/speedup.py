@@ -52,7 +52,8 @@ token; beside them, the per-GDN-layer verify + commit µs and speculative-state 
 the target's own GDN shape.
 
 Hydra-free (the CLI is ``dflash2.eval.speedup_cli``); :func:`run_speedup` returns the results dict,
-speedup_report.py writes the files; (a) and the HF greedy check are speedup_hf.py's.
+speedup_report.py writes the files; (a) and the HF greedy check are speedup_hf.py's; the helpers both use
+(timing statistics, rows and batches, divergences) are speedup_rows.py's.
 """
 
 from __future__ import annotations
