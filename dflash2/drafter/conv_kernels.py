@@ -42,7 +42,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from dflash2.runtime.kernels import jit, use_triton
-from dflash2.runtime.kernels.triton_util import rtne_bf16
+from dflash2.runtime.kernels.triton_util import rounded_for
 
 # The tile: 8 positions × 64 channels, 4 warps, the fastest forward + backward of a sweep over positions
 # {8, 16, 32, 64} × channels {64, 128, 256} × warps {4, 8} on the H200 at the Qwen3-8B recipe's sides (16,384
@@ -96,14 +96,6 @@ def conv_kernels_run(drafter, device) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ kernels
-@triton.jit
-def _rounded(x, ptr, BF16: tl.constexpr):
-    """fp32 x in ptr's dtype, rounded to nearest (bf16 in integer ops: the interpreter's cast truncates)."""
-    if BF16:
-        return rtne_bf16(x)
-    return x.to(ptr.dtype.element_ty)
-
-
 def _conv_forward_kernel(
     x_ptr, d_ptr, base_ptr, out_ptr, R, T, C, DS, side_off, base_off,
     B: tl.constexpr, K: tl.constexpr, G: tl.constexpr, GS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
@@ -125,7 +117,7 @@ def _conv_forward_kernel(
         ).to(tl.float32)
         acc += (b_t[None, :] + d_t) * xs.to(tl.float32)
     tl.store(
-        out_ptr + r[:, None] * C + c[None, :], _rounded(acc, out_ptr, OUT_BF16), mask=in_r[:, None] & in_c[None, :]
+        out_ptr + r[:, None] * C + c[None, :], rounded_for(acc, out_ptr, OUT_BF16), mask=in_r[:, None] & in_c[None, :]
     )
 
 
@@ -159,11 +151,11 @@ def _conv_backward_kernel(
         o_g = tl.program_id(1) * (BC // GS) + tl.arange(0, BC // GS)
         tl.store(
             gd_ptr + r[:, None] * DS + side_off + t * G + o_g[None, :],
-            _rounded(grp, gd_ptr, GD_BF16),
+            rounded_for(grp, gd_ptr, GD_BF16),
             mask=in_r[:, None] & (o_g < G)[None, :],
         )
         tl.store(gb_ptr + (pid_r.to(tl.int64) * K + t) * C + c, tl.sum(prod, axis=0), mask=in_c)
-    tl.store(gx_ptr + r[:, None] * C + c[None, :], _rounded(gx, gx_ptr, GX_BF16), mask=m)
+    tl.store(gx_ptr + r[:, None] * C + c[None, :], rounded_for(gx, gx_ptr, GX_BF16), mask=m)
 
 
 def _tiles(C: int, group_size: int) -> int:

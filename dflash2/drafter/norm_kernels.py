@@ -32,7 +32,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from dflash2.runtime.kernels import jit, use_triton
-from dflash2.runtime.kernels.triton_util import rtne_bf16
+from dflash2.runtime.kernels.triton_util import rounded_for
 
 TILE_ELEMENTS = 4096  # a program's (rows × padded d) tile
 MAX_D = 16384  # one row per program at most this wide (its tile in registers)
@@ -65,14 +65,6 @@ def norm_kernels_run(drafter, device) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ kernels
-@triton.jit
-def _rounded(x, ptr, BF16: tl.constexpr):
-    """fp32 x in ptr's dtype, rounded to nearest (bf16 in integer ops: the interpreter's cast truncates)."""
-    if BF16:
-        return rtne_bf16(x)
-    return x.to(ptr.dtype.element_ty)
-
-
 def _rms_forward_kernel(
     x_ptr, w_ptr, out_ptr, r_ptr, R, D, eps,
     BR: tl.constexpr, BD: tl.constexpr, OUT_BF16: tl.constexpr,
@@ -85,7 +77,7 @@ def _rms_forward_kernel(
     r = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps))  # (BR,): IEEE, as exact as fp32 goes
     w = tl.load(w_ptr + cols, mask=in_c, other=0.0).to(tl.float32)
     out = (x * r[:, None]) * w[None, :]
-    tl.store(out_ptr + rows[:, None] * D + cols[None, :], _rounded(out, out_ptr, OUT_BF16), mask=m)
+    tl.store(out_ptr + rows[:, None] * D + cols[None, :], rounded_for(out, out_ptr, OUT_BF16), mask=m)
     tl.store(r_ptr + rows, r, mask=in_r)
 
 
@@ -110,7 +102,7 @@ def _rms_backward_kernel(
             a = g * w[None, :]
             s = tl.sum(a * x, axis=1)  # (BR,)
             gx = a * r[:, None] - x * (r * r * r * s / D)[:, None]
-            tl.store(gx_ptr + offs, _rounded(gx, gx_ptr, GX_BF16), mask=m)
+            tl.store(gx_ptr + offs, rounded_for(gx, gx_ptr, GX_BF16), mask=m)
         if NEED_GW:
             gw += g * (x * r[:, None])  # masked rows and columns hold zeros
     if NEED_GW:

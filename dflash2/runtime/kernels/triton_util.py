@@ -48,3 +48,12 @@ def rtne_bf16(x):
     bits = bits + 0x7FFF + ((bits >> 16) & 1)
     rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return tl.where(x != x, x.to(tl.bfloat16), rounded)
+
+
+@triton.jit
+def rounded_for(x, ptr, BF16: tl.constexpr):
+    """fp32 x in ptr's element dtype, rounded to nearest: bf16 (BF16) through :func:`rtne_bf16` (the interpreter's
+    own cast truncates), other dtypes through the cast."""
+    if BF16:
+        return rtne_bf16(x)
+    return x.to(ptr.dtype.element_ty)
