@@ -107,7 +107,8 @@ def test_nothing_is_kept_without_a_backward_to_come(monkeypatch):
     hidden, weight, bias, labels, _ = _case()
     seen = []
     real = chunked_head._ChunkedHeadCE.apply
-    monkeypatch.setattr(chunked_head._ChunkedHeadCE, "apply", lambda *a: seen.append(a[-1]) or real(*a))
+    # the keep argument: second to last (the last is topk_kernel)
+    monkeypatch.setattr(chunked_head._ChunkedHeadCE, "apply", lambda *a: seen.append(a[-2]) or real(*a))
     with torch.no_grad():
         chunked_head_outputs(hidden, weight, bias, labels, chunk=7, top_k=K, keep_logits=True)
     chunked_head_outputs(hidden, weight, bias, labels, chunk=7, top_k=K, keep_logits=True)  # no requires_grad

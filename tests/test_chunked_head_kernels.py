@@ -246,6 +246,32 @@ def test_fused_path_with_kept_logits_equals_it_recomputing(device, interpret):
 
 
 @pytest.mark.parametrize("device", kernel_devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_topk_kernel_gives_the_same_candidates_as_torch(device, dtype, monkeypatch, interpret):
+    """topk_kernel (drafter.loss_topk_kernel): the candidates through the runtime's two-stage Triton top-k. The
+    same top-k values, in order, as torch.topk; ids naming logits of those values, listed as the twin
+    (a stable descending sort: ties by the lower index); every other output and the gradient bit for bit.
+    bf16 logits of a small vocabulary tie often, so the tie order is exercised."""
+    from dflash2.runtime.kernels import topk as topk_module
+
+    hidden, weight, bias, labels, upstream = _case(dtype, device, seed=7)
+    calls = []
+    real = topk_module.topk_rows
+    monkeypatch.setattr(topk_module, "topk_rows", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    ref, ref_grad = _run(_chunked(weight, bias, labels, 16, True), hidden, upstream)
+    out, grad = _run(_chunked(weight, bias, labels, 16, True, topk_kernel=True), hidden, upstream)
+    assert len(calls) == -(-M // 16)  # once per chunk
+    assert torch.equal(out.top_raw, ref.top_raw)
+    raw = F.linear(hidden.to(weight.dtype), weight, bias)
+    assert torch.equal(raw.gather(-1, out.top_ids), out.top_raw)  # each id holds its value
+    _, twin_ids = topk_module.topk_rows_ref(raw, K)
+    assert torch.equal(out.top_ids, twin_ids)
+    for name in ("ce", "argmax", "label_raw"):
+        assert torch.equal(getattr(out, name), getattr(ref, name)), name
+    assert torch.equal(grad, ref_grad)
+
+
+@pytest.mark.parametrize("device", kernel_devices())
 def test_fused_path_under_autocast_and_with_a_scalar_loss(device, interpret):
     """An fp32 head under bf16 autocast (bf16-mixed): the chunks compute in bf16, also the recompute in
     backward; ``ce.sum()``'s expanded gradient. Against the torch passes."""
@@ -324,7 +350,7 @@ def test_the_switch_is_on_in_every_drafter_config_and_no_config_sets_serving_sca
     assert drafter_settings("dflash2", {"loss_kernels": "false"})["loss_kernels"] is False
 
 
-def _module_and_batch(make_spec_target, make_spec_drafter, loss_kernels):
+def _module_and_batch(make_spec_target, make_spec_drafter, loss_kernels, **more):
     from conftest import nontrivial_dflash2
 
     from dflash2.training.train_drafter import training_module
@@ -332,7 +358,7 @@ def _module_and_batch(make_spec_target, make_spec_drafter, loss_kernels):
     target = make_spec_target("qwen3")
     drafter = nontrivial_dflash2(make_spec_drafter(target, 4, v2=True))
     settings = dict(num_anchors=5, loss_gamma=4.0, selector_loss_weight=1.0, lr=1e-3, weight_decay=0.0)
-    settings.update(warmup_ratio=0.0, selector_gold_injection=True, loss_kernels=loss_kernels)
+    settings.update(warmup_ratio=0.0, selector_gold_injection=True, loss_kernels=loss_kernels, **more)
     module = training_module(
         copy.deepcopy(drafter), target, settings, total_steps=1, seed=0, target_id="t", loss_chunk=7, attention="dense"
     )
@@ -380,11 +406,49 @@ def test_a_training_step_with_the_kernels_equals_the_torch_passes(
 
 def test_a_bad_switch_is_a_one_line_error():
     from dflash2.errors import DFlash2Error
-    from dflash2.training.preflight import check_loss_kernels
+    from dflash2.training.preflight import check_loss_kernels, check_loss_topk_kernel
 
     assert check_loss_kernels(None) is False and check_loss_kernels(True) is True
     with pytest.raises(DFlash2Error, match=r"drafter\.loss_kernels='yes' must be true or false"):
         check_loss_kernels("yes")
+    assert check_loss_topk_kernel(None) is False and check_loss_topk_kernel(True) is True
+    with pytest.raises(DFlash2Error, match=r"drafter\.loss_topk_kernel=1 must be true or false"):
+        check_loss_topk_kernel(1)
+
+
+@pytest.mark.parametrize("device", kernel_devices())
+def test_drafter_loss_topk_kernel_reaches_the_chunks_and_changes_no_value(
+    device, make_spec_target, make_spec_drafter, monkeypatch, interpret
+):
+    """drafter.loss_topk_kernel through training_module: the chunked head gets topk_kernel, the Triton top-k
+    runs, and a training step's losses, predictions and gradients equal the torch.topk run's (fp32 logits of
+    a random drafter: no ties among its candidates)."""
+    from dflash2.drafter.objective import anchor_generator
+    from dflash2.runtime.kernels import topk as topk_module
+    from dflash2.training import drafter_module
+
+    flags, calls = [], []
+    real = drafter_module.chunked_head_outputs
+    monkeypatch.setattr(
+        drafter_module, "chunked_head_outputs", lambda *a, **kw: flags.append(kw["topk_kernel"]) or real(*a, **kw)
+    )
+    real_topk = topk_module.topk_rows
+    monkeypatch.setattr(topk_module, "topk_rows", lambda *a, **kw: calls.append(1) or real_topk(*a, **kw))
+    outs, grads = {}, {}
+    for flag in (False, True):
+        module, batch = _module_and_batch(make_spec_target, make_spec_drafter, True, loss_topk_kernel=flag)
+        assert module.loss_topk_kernel is flag and module.with_drafter(module.drafter).loss_topk_kernel is flag
+        module.to(device)
+        module._sync_target_device()
+        out = module.block_outputs({k: v.to(device) for k, v in batch.items()}, anchor_generator(0, 0))
+        out["loss"].backward()
+        outs[flag] = out
+        grads[flag] = {n: p.grad for n, p in module.drafter.named_parameters() if p.grad is not None}
+    assert flags == [False, True] and calls
+    for key in ("loss", "ce", "selector_loss", "predictions", "selector_predictions"):
+        assert torch.equal(outs[True][key], outs[False][key]), key
+    for name in grads[False]:
+        assert torch.equal(grads[True][name], grads[False][name]), name
 
 
 # ---------------------------------------------------------------------------------------------- GPU

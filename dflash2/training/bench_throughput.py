@@ -85,6 +85,7 @@ from dflash2.training.preflight import (
     check_conv_kernels,
     check_loss_keep_logits,
     check_loss_kernels,
+    check_loss_topk_kernel,
     check_norm_kernels,
 )
 from dflash2.training.throughput_flops import StepFlops, step_flops
@@ -160,6 +161,7 @@ def measure(bench: Bench, variant: Variant, a: argparse.Namespace, peak: float |
     runner_kernels = runner.loss_kernels  # the chunked CE's Triton passes ran (drafter.loss_kernels)
     runner_conv = runner.conv_kernels  # the conv's Triton kernels ran (drafter.conv_kernels)
     runner_norm = runner.norm_kernels  # the RMSNorms' Triton kernels ran (drafter.norm_kernels)
+    runner_topk = runner.loss_topk_kernel  # the candidates' Triton top-k ran (drafter.loss_topk_kernel)
     runner_kept = runner.loss_keep_logits  # the chunked loss kept its logits (drafter.loss_keep_logits)
     try:
         if device.type == "cuda":
@@ -200,6 +202,7 @@ def measure(bench: Bench, variant: Variant, a: argparse.Namespace, peak: float |
         "loss_kernels": runner_kernels,
         "conv_kernels": runner_conv,
         "norm_kernels": runner_norm,
+        "loss_topk_kernel": runner_topk,
         "loss_keep_logits": runner_kept,
         "step_ms": {"median": med * 1e3, "min": min(samples) * 1e3, "max": max(samples) * 1e3},
         "step_ms_samples": [s * 1e3 for s in samples],
@@ -377,6 +380,7 @@ def run(argv: list[str] | None = None) -> dict:
             "loss_kernels": check_loss_kernels(bench.settings.get("loss_kernels")),
             "conv_kernels": check_conv_kernels(bench.settings.get("conv_kernels")),
             "norm_kernels": check_norm_kernels(bench.settings.get("norm_kernels")),
+            "loss_topk_kernel": check_loss_topk_kernel(bench.settings.get("loss_topk_kernel")),
             "loss_keep_logits": check_loss_keep_logits(bench.settings.get("loss_keep_logits")),
             "drafter_overrides": a.set or [],
             "pinned_batches": bench.pinned,

@@ -87,6 +87,7 @@ def chunked_head_outputs(
     softcap: float | None = None,
     fused: bool = False,
     keep_logits: bool = False,
+    topk_kernel: bool = False,
 ) -> HeadOutputs:
     """``head_outputs_from_logits`` without the full logits.
 
@@ -97,7 +98,9 @@ def chunked_head_outputs(
     (no serving scales, tensors the kernels can run on), else the torch passes; keep_logits: each chunk's raw
     logits kept from forward to backward (M · V values in the head's dtype held between them) instead of
     recomputed there: one head matmul per chunk fewer; backward then consumes them (a second backward
-    through the same graph is refused).
+    through the same graph is refused); topk_kernel: the top_k candidates through the runtime's two-stage
+    Triton top-k (``runtime/kernels/topk.py``: the same values, ties by the lower index) where it runs, else
+    ``torch.topk``.
     Returns HeadOutputs with the leading shape (...) of hidden.
     """
     if chunk < 1:
@@ -118,6 +121,7 @@ def chunked_head_outputs(
         fused,
         # kept only for a backward to come (validation and no_grad calls hold nothing extra)
         bool(keep_logits) and torch.is_grad_enabled() and hidden.requires_grad,
+        bool(topk_kernel),
     )
     ce, argmax, top_ids, top_raw, label_raw = outs
     return HeadOutputs(
@@ -197,17 +201,19 @@ def _times(g: torch.Tensor, factors: list, dtype: torch.dtype) -> torch.Tensor:
 class _ChunkedHeadCE(torch.autograd.Function):
     """Inputs: hidden (M, d), weight (V, d), bias (V,) or None, labels (M,), chunk, top_k, multiplier,
     softcap, dtype, fused (the Triton passes: no serving scales, checked by the caller), keep (the chunks' raw
-    logits kept for backward instead of recomputed there).
+    logits kept for backward instead of recomputed there), topk_kernel (the candidates through topk_rows).
     Outputs: ce (M,) fp32, argmax (M,), top_ids (M, k), top_raw (M, k), label_raw (M,).
     Without keep, each chunk's tensors are dropped before the next chunk's logits exist: one chunk's worth at
     a time; with it, every chunk's raw logits stay until backward has used them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk, top_k, multiplier, softcap, dtype, fused, keep):
+    def forward(ctx, hidden, weight, bias, labels, chunk, top_k, multiplier, softcap, dtype, fused, keep, topk_kernel):
         m = hidden.shape[0]
         kept = [] if keep else None
         if fused:
             from dflash2.training.ce_kernels import ce_forward
+        if topk_kernel:
+            from dflash2.runtime.kernels.topk import topk_rows
         # Autocast off inside: every chunk (here and in backward) computes in the dtype fixed by the caller.
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)  # one (V, d) copy at most, as autocast's own weight cast
@@ -225,7 +231,8 @@ class _ChunkedHeadCE(torch.autograd.Function):
                 if kept is not None:  # backward reads this chunk's logits here instead of recomputing them
                     kept.append(raw)
                 if top_k:
-                    top_raw[s:e], top_ids[s:e] = torch.topk(raw, top_k, dim=-1)
+                    pick = topk_rows if topk_kernel else (lambda x, k: torch.topk(x, k, dim=-1))
+                    top_raw[s:e], top_ids[s:e] = pick(raw, top_k)
                 if fused:  # lse, ce, argmax and the label's logit in one read of raw
                     ce_forward(raw, labels[s:e], out=(lse[s:e], ce[s:e], argmax[s:e], label_raw[s:e]))
                     del raw
@@ -301,4 +308,4 @@ class _ChunkedHeadCE(torch.autograd.Function):
                 # Through raw = linear(h.to(dtype)): the matmul in the head's dtype, as autograd's would be.
                 grad_h[s:e] = (_times(g, factors, dtype) @ w).to(hidden.dtype)
                 del g, factors
-        return grad_h, None, None, None, None, None, None, None, None, None, None
+        return grad_h, None, None, None, None, None, None, None, None, None, None, None

@@ -43,6 +43,7 @@ from dflash2.training.preflight import (
     check_loss_chunk_positions,
     check_loss_keep_logits,
     check_loss_kernels,
+    check_loss_topk_kernel,
     check_norm_kernels,
     drafter_config_differences,
 )
@@ -72,6 +73,7 @@ class DrafterTrainingModule(L.LightningModule):
         conv_kernels: bool = False,
         norm_kernels: bool = False,
         loss_keep_logits: bool = False,
+        loss_topk_kernel: bool = False,
         attention: str = "auto",
         optimizer_impl: str = "auto",
     ):
@@ -93,6 +95,7 @@ class DrafterTrainingModule(L.LightningModule):
             conv_kernels=conv_kernels,
             norm_kernels=norm_kernels,
             loss_keep_logits=loss_keep_logits,
+            loss_topk_kernel=loss_topk_kernel,
             attention=attention,
             optimizer_impl=optimizer_impl,
         )
@@ -119,6 +122,9 @@ class DrafterTrainingModule(L.LightningModule):
         # the chunked loss keeps each chunk's logits for backward instead of recomputing them there (one head
         # matmul per chunk fewer, M · V logits held through the step; drafter.loss_keep_logits)
         self.loss_keep_logits = check_loss_keep_logits(loss_keep_logits)
+        # the chunked loss's top-k candidates through the runtime's Triton top-k where it runs (CUDA; the same
+        # values, ties by the lower index; drafter.loss_topk_kernel); torch.topk elsewhere and when off
+        self.loss_topk_kernel = check_loss_topk_kernel(loss_topk_kernel)
         set_conv_kernels(drafter, self.conv_kernels)
         # the drafter's RMSNorms' forward and backward as Triton kernels where they run (CUDA; norm_kernels.py),
         # set on every norm of this drafter (drafter.norm_kernels); rms_norm.py's torch code elsewhere and when off
@@ -252,6 +258,7 @@ class DrafterTrainingModule(L.LightningModule):
                 softcap=config.final_logit_softcapping,
                 fused=self.loss_kernels,
                 keep_logits=self.loss_keep_logits,
+                topk_kernel=self.loss_topk_kernel,
             )
         raw = self.target.head_logits(drafted)  # (N, A, P, V), drafted cast to the head's dtype
         logits = self.drafter.block_logits(drafted, self.target.head_logits, raw=raw)

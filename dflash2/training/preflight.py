@@ -56,6 +56,13 @@ def check_conv_kernels(value) -> bool:
     return _check_switch("conv_kernels", value, "the DFlash2 block-local conv's forward and backward as Triton kernels")
 
 
+def check_loss_topk_kernel(value) -> bool:
+    """``drafter.loss_topk_kernel`` as a bool (null = false: the selector's candidates through ``torch.topk``)."""
+    return _check_switch(
+        "loss_topk_kernel", value, "the chunked loss's top-k candidates through the two-stage Triton top-k"
+    )
+
+
 def check_norm_kernels(value) -> bool:
     """``drafter.norm_kernels`` as a bool (null = false: the RMSNorm's torch code, rms_norm.py)."""
     return _check_switch("norm_kernels", value, "the drafter's RMSNorm forward and backward as Triton kernels")

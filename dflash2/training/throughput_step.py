@@ -52,6 +52,14 @@ class StepRunner:
         self.norm_kernels = self.module.norm_kernels and norm_kernels_run(bench.drafter, self.device)
         # drafter.loss_keep_logits as it applies here: only the chunked loss keeps logits
         self.loss_keep_logits = bool(self.module.loss_chunk_positions) and self.module.loss_keep_logits
+        # drafter.loss_topk_kernel as it applies here: the chunked loss, where Triton runs
+        from dflash2.runtime.kernels import use_triton
+
+        self.loss_topk_kernel = (
+            bool(self.module.loss_chunk_positions)
+            and self.module.loss_topk_kernel
+            and use_triton(torch.empty(0, device=self.device))
+        )
         # drafter.loss_kernels as it applies here: the chunked CE's Triton passes run (chunked_head.py)
         self.loss_kernels = bool(self.module.loss_chunk_positions) and use_fused_passes(
             self.module.loss_kernels,

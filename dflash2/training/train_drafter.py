@@ -45,6 +45,7 @@ from dflash2.training.preflight import (
     check_loss_chunk_positions,
     check_loss_keep_logits,
     check_loss_kernels,
+    check_loss_topk_kernel,
     check_norm_kernels,
     check_resume_checkpoint,
     check_sequences_fit_the_context,
@@ -109,6 +110,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict | None:
     check_conv_kernels(settings.get("conv_kernels"))
     check_norm_kernels(settings.get("norm_kernels"))
     check_loss_keep_logits(settings.get("loss_keep_logits"))
+    check_loss_topk_kernel(settings.get("loss_topk_kernel"))
     attention = check_attention(settings.get("attention"), regeneration_device(cfg))
     check_optimizer_impl(settings.get("optimizer_impl"))
     check_pin_memory(data.get("pin_memory"))
@@ -305,6 +307,7 @@ def training_module(
         conv_kernels=check_conv_kernels(settings.get("conv_kernels")),
         norm_kernels=check_norm_kernels(settings.get("norm_kernels")),
         loss_keep_logits=check_loss_keep_logits(settings.get("loss_keep_logits")),
+        loss_topk_kernel=check_loss_topk_kernel(settings.get("loss_topk_kernel")),
         attention=attention,
         optimizer_impl=check_optimizer_impl(settings.get("optimizer_impl")),
     )
