@@ -434,3 +434,26 @@ def interpret():
 
     with kernels.on_cpu():
         yield
+
+
+def training_step(target, drafter, device, **switches):
+    """One block_outputs + backward of the training module built around a copy of ``drafter`` (settings of a
+    small DFlash2 run plus ``switches``, e.g. ``conv_kernels=True``), on a fixed batch of 2 rows × 24 tokens.
+    Returns (module, outputs, {parameter name: gradient}): what the kernel switches' tests compare on and off."""
+    import copy
+
+    from dflash2.drafter.objective import anchor_generator
+    from dflash2.training.train_drafter import training_module
+
+    settings = dict(num_anchors=5, loss_gamma=4.0, selector_loss_weight=1.0, lr=1e-3, weight_decay=0.0)
+    settings.update(warmup_ratio=0.0, selector_gold_injection=True, **switches)
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "loss_mask": (torch.arange(24) >= 8).long().expand(2, 24)}
+    module = training_module(
+        copy.deepcopy(drafter), target, settings, total_steps=1, seed=0, target_id="t", loss_chunk=7, attention="dense"
+    )
+    module.to(device)
+    module._sync_target_device()
+    out = module.block_outputs({k: v.to(device) for k, v in batch.items()}, anchor_generator(0, 0))
+    out["loss"].backward()
+    return module, out, {n: p.grad for n, p in module.drafter.named_parameters() if p.grad is not None}

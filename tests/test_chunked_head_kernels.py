@@ -350,7 +350,7 @@ def test_the_switch_is_on_in_every_drafter_config_and_no_config_sets_serving_sca
     assert drafter_settings("dflash2", {"loss_kernels": "false"})["loss_kernels"] is False
 
 
-def _module_and_batch(make_spec_target, make_spec_drafter, loss_kernels, **more):
+def _module_and_batch(make_spec_target, make_spec_drafter, loss_kernels):
     from conftest import nontrivial_dflash2
 
     from dflash2.training.train_drafter import training_module
@@ -358,7 +358,7 @@ def _module_and_batch(make_spec_target, make_spec_drafter, loss_kernels, **more)
     target = make_spec_target("qwen3")
     drafter = nontrivial_dflash2(make_spec_drafter(target, 4, v2=True))
     settings = dict(num_anchors=5, loss_gamma=4.0, selector_loss_weight=1.0, lr=1e-3, weight_decay=0.0)
-    settings.update(warmup_ratio=0.0, selector_gold_injection=True, loss_kernels=loss_kernels, **more)
+    settings.update(warmup_ratio=0.0, selector_gold_injection=True, loss_kernels=loss_kernels)
     module = training_module(
         copy.deepcopy(drafter), target, settings, total_steps=1, seed=0, target_id="t", loss_chunk=7, attention="dense"
     )
@@ -423,7 +423,8 @@ def test_drafter_loss_topk_kernel_reaches_the_chunks_and_changes_no_value(
     """drafter.loss_topk_kernel through training_module: the chunked head gets topk_kernel, the Triton top-k
     runs, and a training step's losses, predictions and gradients equal the torch.topk run's (fp32 logits of
     a random drafter: no ties among its candidates)."""
-    from dflash2.drafter.objective import anchor_generator
+    from conftest import nontrivial_dflash2, training_step
+
     from dflash2.runtime.kernels import topk as topk_module
     from dflash2.training import drafter_module
 
@@ -434,16 +435,14 @@ def test_drafter_loss_topk_kernel_reaches_the_chunks_and_changes_no_value(
     )
     real_topk = topk_module.topk_rows
     monkeypatch.setattr(topk_module, "topk_rows", lambda *a, **kw: calls.append(1) or real_topk(*a, **kw))
+    target = make_spec_target("qwen3")
+    drafter = nontrivial_dflash2(make_spec_drafter(target, 4, v2=True))
     outs, grads = {}, {}
     for flag in (False, True):
-        module, batch = _module_and_batch(make_spec_target, make_spec_drafter, True, loss_topk_kernel=flag)
+        module, outs[flag], grads[flag] = training_step(
+            target, drafter, device, loss_kernels=True, loss_topk_kernel=flag
+        )
         assert module.loss_topk_kernel is flag and module.with_drafter(module.drafter).loss_topk_kernel is flag
-        module.to(device)
-        module._sync_target_device()
-        out = module.block_outputs({k: v.to(device) for k, v in batch.items()}, anchor_generator(0, 0))
-        out["loss"].backward()
-        outs[flag] = out
-        grads[flag] = {n: p.grad for n, p in module.drafter.named_parameters() if p.grad is not None}
     assert flags == [False, True] and calls
     for key in ("loss", "ce", "selector_loss", "predictions", "selector_predictions"):
         assert torch.equal(outs[True][key], outs[False][key]), key

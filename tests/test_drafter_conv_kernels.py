@@ -146,33 +146,15 @@ def test_drafter_conv_kernels_reaches_a_training_step_which_equals_the_torch_cod
     """drafter.conv_kernels through training_module: every conv of the drafter switched, one block_outputs +
     backward of the module with it on against off: losses, predictions and every parameter gradient (fp32,
     torch's default tolerances)."""
-    import copy
-
-    from conftest import nontrivial_dflash2
-
-    from dflash2.drafter.objective import anchor_generator
-    from dflash2.training.train_drafter import training_module
+    from conftest import nontrivial_dflash2, training_step
 
     target = make_spec_target("qwen3")
     drafter = nontrivial_dflash2(make_spec_drafter(target, 4, v2=True))
-    settings = dict(num_anchors=5, loss_gamma=4.0, selector_loss_weight=1.0, lr=1e-3, weight_decay=0.0)
-    settings.update(warmup_ratio=0.0, selector_gold_injection=True)
-    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "loss_mask": (torch.arange(24) >= 8).long().expand(2, 24)}
     outs, grads = {}, {}
     for flag in (False, True):
-        module = training_module(
-            copy.deepcopy(drafter), target, {**settings, "conv_kernels": flag}, total_steps=1, seed=0,
-            target_id="t", loss_chunk=7, attention="dense",
-        )  # fmt: skip
+        module, outs[flag], grads[flag] = training_step(target, drafter, device, conv_kernels=flag)
         assert module.conv_kernels is flag
         assert all(m.use_kernels is flag for m in module.drafter.modules() if isinstance(m, BlockLocalConv))
-        module.to(device)
-        module._sync_target_device()
-        out = module.block_outputs({k: v.to(device) for k, v in batch.items()}, anchor_generator(0, 0))
-        out["loss"].backward()
-        outs[flag] = out
-        grads[flag] = {n: p.grad for n, p in module.drafter.named_parameters() if p.grad is not None}
     for key in ("loss", "ce", "selector_loss"):
         torch.testing.assert_close(outs[True][key], outs[False][key])
     assert torch.equal(outs[True]["predictions"], outs[False]["predictions"])

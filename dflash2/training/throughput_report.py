@@ -125,26 +125,27 @@ def top_kernels(prof, device_type: str, limit: int = 10) -> dict:
     return out
 
 
+def _ranked(rows: list[dict], what: str) -> list[str]:
+    """A profile's ranked rows as a markdown table: rank, `name` (cut at 90 characters), calls, ms, share."""
+    lines = [f"| # | {what} | calls | ms | share |", "|---:|---|---:|---:|---:|"]
+    for i, r in enumerate(rows, start=1):
+        name = r["name"] if len(r["name"]) <= 90 else r["name"][:87] + "..."
+        lines.append(f"| {i} | `{name}` | {r['calls']} | {r['ms']:.2f} | {100 * r['share']:.1f}% |")
+    return lines
+
+
 def profile_table(profile: dict) -> str:
     lines = [
         f"Top {len(profile['rows'])} {profile['what']} of one step of {profile['variant']} "
         f"(sum of all: {profile['total_ms']:.1f} ms; step wall time {profile['step_ms']:.1f} ms):",
-        "| # | kernel | calls | ms | share |",
-        "|---:|---|---:|---:|---:|",
+        *_ranked(profile["rows"], "kernel"),
     ]
-    for i, r in enumerate(profile["rows"], start=1):
-        name = r["name"] if len(r["name"]) <= 90 else r["name"][:87] + "..."
-        lines.append(f"| {i} | `{name}` | {r['calls']} | {r['ms']:.2f} | {100 * r['share']:.1f}% |")
     if profile.get("ops"):
         lines += [
             "",
             f"Top {len(profile['ops'])} operators by the kernel time of their own launches (same step):",
-            "| # | operator | calls | ms | share |",
-            "|---:|---|---:|---:|---:|",
+            *_ranked(profile["ops"], "operator"),
         ]
-        for i, r in enumerate(profile["ops"], start=1):
-            name = r["name"] if len(r["name"]) <= 90 else r["name"][:87] + "..."
-            lines.append(f"| {i} | `{name}` | {r['calls']} | {r['ms']:.2f} | {100 * r['share']:.1f}% |")
     if profile.get("trace"):
         lines.append(f"Chrome trace of the step: {profile['trace']}")
     return "\n".join(lines)
