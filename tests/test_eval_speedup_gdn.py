@@ -131,9 +131,9 @@ def test_native_keeps_more_speculative_state_than_replay(hybrid, monkeypatch):
     assert rep["spec_bytes_per_request"] < nat["spec_bytes_per_request"]
     # per layer and token: replay logs k (2·8) + u (4·8) + g (4) fp32, native one (4, 8, 8) fp32 state; the
     # deferred commit adds an int32 count per recurrence program (4 heads × 1 value slice) per layer and
-    # one layer's stash of k (2·8) and g (4) per token
+    # each layer's stash of k (2·8) and g (4) per token
     x = B * shape.conv_dim * 4
-    assert rep["spec_bytes_per_request"] == 3 * (4 * B * (16 + 32 + 4) + x) + 3 * 4 * 4 + 4 * B * (16 + 4)
+    assert rep["spec_bytes_per_request"] == 3 * (4 * B * (16 + 32 + 4) + x) + 3 * 4 * 4 + 3 * 4 * B * (16 + 4)
     assert nat["spec_bytes_per_request"] == 3 * (4 * B * 256 + x)
     assert rep["state_bytes_per_request"] == nat["state_bytes_per_request"] == 3 * (4 * 256 + shape.conv_dim * 3 * 4)
     long_block = speedup_gdn.layer_cost(model, "native", 1, 32)  # past NATIVE_MAX_TOKENS native logs for a fold

@@ -47,8 +47,8 @@ def test_speculative_state_at_the_9b_shape():
     )
     replay, native = spec_bytes(shape, 16, "replay", deferred=True), spec_bytes(shape, 16, "native")
     assert native / replay >= 20
-    # the deferred commit's own memory: counts of 32·128/16 programs per layer, one layer's k / g stash
-    assert replay - spec_bytes(shape, 16, "replay") == 24 * 256 * 4 + 16 * (16 * 128 + 32) * 4
+    # the deferred commit's own memory: counts of 32·128/16 programs per layer, each layer's k / g stash
+    assert replay - spec_bytes(shape, 16, "replay") == 24 * (256 * 4 + 16 * (16 * 128 + 32) * 4)
     assert native == 24 * (16 * 32 * 128 * 128 * 4 + 16 * 8192 * 2)  # 16 fp32 states + x per layer
 
 

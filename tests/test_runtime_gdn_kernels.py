@@ -257,12 +257,14 @@ def _same_states(a: GDNState, b: GDNState) -> bool:
     ),
 )
 def test_deferred_commit_equals_eager_fold(device, T, heads, tiles):
-    """ReplaySSM with reserved logs defers each commit into the next verify, which folds the pending n
-    into the state tile in its registers and rolls the conv window in its prep kernel. Against the
-    eager path (no reserved logs: the commit kernel folds at once), over verify / commit steps of two
-    layers with ragged n, every row committing 0 once and T once: every verify's outputs and logs bit
-    for bit; the states bit for bit once a verify has folded, and untouched by the deferred commit
-    itself (the fold really moved); after the last commit, flush() gives bit for bit the eager states."""
+    """ReplaySSM with reserved logs defers each commit's fold into the next verify, which folds the pending
+    n into the state tile in its registers (the commit itself, one launch for all layers, rolls the conv
+    windows and stashes the pending k / g). Against the eager path (no reserved logs: the commit kernel
+    folds at once), over verify / commit steps of two layers with ragged n, every row committing 0 once
+    and T once: every verify's outputs and logs bit for bit; the windows bit for bit right after each
+    commit; the recurrent states bit for bit once a verify has folded, and untouched by the deferred
+    commit itself (the fold really moved); after the last commit, flush() gives bit for bit the eager
+    states."""
     # n per step and row; rows 0-2 already commit 0, 1, T and T // 2, each 0 once and T once: the
     # interpreter (CPU), whose time is per row, runs those three (a quarter less), the GPU all four
     schedule = [[0, 1, T, T // 2], [T, 0, 1, T], [T // 2, T, 0, 0]]
@@ -281,8 +283,9 @@ def test_deferred_commit_equals_eager_fold(device, T, heads, tiles):
         rec, conv = lazy.rec.clone(), lazy.conv.clone()
         eager.commit(n)
         lazy.commit(n)
-        assert torch.equal(lazy.rec, rec) and torch.equal(lazy.conv, conv)  # deferred: nothing written yet
-        assert not _same_states(eager, lazy)
+        # deferred: the windows are rolled (and equal the eager commit's), the states not folded yet
+        assert torch.equal(lazy.rec, rec) and torch.equal(lazy.conv, eager.conv)
+        assert not torch.equal(lazy.rec, eager.rec) and not torch.equal(conv, eager.conv)
     lazy.flush()
     assert _same_states(eager, lazy)
 

@@ -200,7 +200,9 @@ def test_flush_is_idempotent_and_a_no_op_without_a_pending_fold(monkeypatch):
     n = torch.tensor([0, 4, T])
     lazy.commit(n)
     eager.commit(n)
-    assert len(launches) == 1 and _same(lazy, start)  # only the eager state folded; the lazy one waits
+    # only the eager state folded; the lazy one waits (its commit rolled the window: that is not a fold)
+    assert len(launches) == 1 and torch.equal(lazy.rec, start.rec) and not torch.equal(eager.rec, start.rec)
+    assert torch.equal(lazy.conv, eager.conv)
     lazy.flush()
     assert len(launches) == 2 and _same(lazy, eager)
     lazy.flush()

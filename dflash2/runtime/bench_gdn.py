@@ -31,7 +31,7 @@ copy costs the same for any n.
 
 Reported per (batch, mode): µs per GDN layer for verify, commit and both; speculative-state
 bytes per request (what the step keeps between verify and commit: ReplaySSM's k/u/g logs plus,
-deferred, the pending counts and the (k, g) stash of one layer; native's T full states; and all
+deferred, the pending counts and each layer's (k, g) stash; native's T full states; and all
 modes' T pre-conv inputs for the conv window), and the committed state per request for scale.
 The issue's targets (24 µs per layer at batch 1, native ÷ replay ≥ 1.5× at batch 1 and ≥ 2× at
 batch 64, ≥ 20× less speculative state) are printed with the numbers, on each (batch, mode)'s fastest
@@ -121,12 +121,12 @@ def spec_bytes(
     both keep x (T, C) in the model dtype for the conv window. mode: the log's layout, 'native' or
     anything else (ReplaySSM's). deferred (ReplaySSM's deferred commit, GDNState in replay mode with
     reserved logs): plus its pending counts, int32 per recurrence program (H · d_v / block_v per layer),
-    and the stash of one layer's pending k (T, Hk, d_k) and g (T, H) fp32, shared by the layers."""
+    and each layer's stash of the pending k (T, Hk, d_k) and g (T, H) fp32."""
     hk, h, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim
     fp32 = T * h * dk * dv if mode == "native" else T * (hk * dk + h * dv + h)
     held = shape.num_layers * (4 * fp32 + x_itemsize * T * shape.conv_dim)
     if deferred:
-        held += 4 * shape.num_layers * recur_programs(h, dv, block_v) + 4 * T * (hk * dk + h)
+        held += 4 * shape.num_layers * (recur_programs(h, dv, block_v) + T * (hk * dk + h))
     return held
 
 

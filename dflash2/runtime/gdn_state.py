@@ -34,12 +34,15 @@ Three implementations of the same two steps, chosen by ``mode`` (§5.5), plus ``
 Triton modes on CPU tensors need Triton's interpreter (kernels/triton_util.py).
 
 **Deferred commit (``"replay"`` with reserved logs, i.e. the engine's decode steps).** A commit
-only records n (a device tensor at a fixed address) and keeps the log; the next verify of each
-layer folds those n tokens into the state tile it holds in registers anyway, writes the state
-back once, rolls the conv window, and then verifies its block (kernels/gdn_verify/kernel.py).
-Why: at batch 1 the fold was a third latency-bound launch per layer that re-read and re-wrote the
-whole state (docs/BENCHMARKS.md, issue 14). The consequence: between a commit and the next verify,
-``conv`` / ``rec`` lag behind by the pending fold. Whatever reads them there must call
+does not fold: one launch for all layers (kernels/gdn_replay/defer_kernel.py) rolls each conv
+window by n, copies the accepted tokens' logged k and g to a per-layer stash and records n (device
+tensors at fixed addresses); the next verify of each layer folds those n tokens into the state
+tile it holds in registers anyway, writes the state back once, and then verifies its block
+(kernels/gdn_verify/kernel.py). Why: at batch 1 the fold was a third latency-bound launch per
+layer that re-read and re-wrote the whole state (docs/BENCHMARKS.md, issue 14); and with the
+window and the stash settled before the verify, nothing the fold reads is written during it, so
+the fold can overlap the verify's prep kernel (``pdl``). The consequence: between a commit and the
+next verify, ``rec`` lags behind by the pending fold. Whatever reads it there must call
 :meth:`GDNState.flush` first (it folds with the commit kernel, bit for bit what the next verify
 would have done; idempotent); the engine does at the end of every generation, and ``reset`` drops
 a pending fold. Unreserved logs (ad-hoc calls) and ``commit(n, defer=False)`` (prefill) are folded
@@ -162,11 +165,12 @@ class GDNState:
         self.defer = bool(defer)
         # The deferred commit (replay mode, reserved logs), per reserved T, at fixed addresses: the pending
         # counts (L_g, N, P) int32, one per program of the verify's recurrence kernel, and the (k, g) stash of
-        # the pending tokens (shared by the layers: a verify consumes it). Per T because a pending fold can
+        # the pending tokens (L_g, N, T, ...), which the commit fills for every layer. Per T because a pending fold can
         # only be folded from the log of its own length, and a flush must know which log that is even when
         # CUDA graphs replayed the commits (no Python runs then).
         self._pend: dict[int, torch.Tensor] = {}
         self._stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._stacked: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # T -> the logs' (x, k, g)
         # Host-side hints of what may be pending: the T of the last deferred commit made in Python (exact
         # for eager use), and every T whose commit was captured into a CUDA graph (its replays defer
         # commits no Python sees: flush() always folds those T's counts, which are 0 if nothing is pending).
@@ -188,19 +192,19 @@ class GDNState:
             return
         L, N, C = self.conv.shape[:3]
         H, dk, dv = self.rec.shape[2:]
-        dims = dict(num_k_heads=self.num_k_heads, num_v_heads=H, head_k_dim=dk, head_v_dim=dv)
-        self._static[T] = [
-            new_log(
-                torch.zeros(N, T, C, dtype=self.conv.dtype, device=self.conv.device),
-                **dims,
-                native=self._native(T),
-                alloc=torch.zeros,
-            )
-            for _ in range(L)
-        ]
+        xs = torch.zeros(L, N, T, C, dtype=self.conv.dtype, device=self.conv.device)
+        if self._native(T):
+            dims = dict(num_k_heads=self.num_k_heads, num_v_heads=H, head_k_dim=dk, head_v_dim=dv)
+            self._static[T] = [new_log(xs[i], **dims, native=True, alloc=torch.zeros) for i in range(L)]
+            return
+        # ReplaySSM: each field stacked over the layers, so that the deferred commit treats all layers in
+        # one launch; the per-layer logs are views
+        f32 = dict(dtype=torch.float32, device=self.rec.device)
+        ks, us, gs = (torch.zeros(L, N, T, *s, **f32) for s in ((self.num_k_heads, dk), (H, dv), (H,)))
+        self._static[T] = [GDNLog(x=xs[i], k=ks[i], u=us[i], g=gs[i]) for i in range(L)]
+        self._stacked[T] = (xs, ks, gs)
         if self.mode == "replay":  # the deferred commit's counts and stash, at fixed addresses too
-            f32 = dict(dtype=torch.float32, device=self.rec.device)
-            self._stash[T] = (torch.zeros(N, T, self.num_k_heads, dk, **f32), torch.zeros(N, T, H, **f32))
+            self._stash[T] = (torch.zeros_like(ks), torch.zeros_like(gs))
             P = recur_programs(H, dv, self.kernel_options.get("block_v"))
             self._pend[T] = torch.zeros(L, N, P, dtype=torch.int32, device=self.rec.device)
 
@@ -244,10 +248,12 @@ class GDNState:
 
         opts = self._commit_options()
         for T in sorted(lengths):
-            pend = self._pend[T]
+            pend, (stash_k, stash_g) = self._pend[T], self._stash[T]
             n = pend[:, :, 0].contiguous()  # (L_g, N): the counts are equal across a row's programs
             for slot, log in enumerate(self._static[T]):
-                gdn_replay_triton(self.conv[slot], self.rec[slot], log, n[slot], **opts)  # n = 0: untouched
+                # the deferred commit rolled the windows already: fold the states only (n = 0: untouched)
+                pending = GDNLog(x=log.x, k=stash_k[slot], u=log.u, g=stash_g[slot])
+                gdn_replay_triton(self.conv[slot], self.rec[slot], pending, n[slot], roll_conv=False, **opts)
             pend.zero_()
         self._deferred = None
 
@@ -285,7 +291,7 @@ class GDNState:
 
         fold = None
         if self._defers(T):  # always, so that a captured verify is the same kernel whether a fold is pending
-            fold = PendingFold(self._pend[T][slot], *self._stash[T])
+            fold = PendingFold(self._pend[T][slot], *(t[slot] for t in self._stash[T]))
         o, self.logs[slot] = gdn_verify_triton(
             x,
             self.conv[slot],
@@ -324,8 +330,10 @@ class GDNState:
             raise RuntimeError("GDNState.commit without a verify of every GDN layer since the last commit")
         T = self.logs[0].x.shape[1]
         if defer and self._defers(T) and all(log is res for log, res in zip(self.logs, self._static[T])):
-            pend = self._pend[T]
-            pend.copy_(n.view(1, -1, 1).expand_as(pend))  # int64 -> int32, every layer and program
+            from dflash2.runtime.kernels.gdn_replay import gdn_defer_commit_triton
+
+            # one launch: every layer's counts, conv windows rolled, and the pending k / g to the stash
+            gdn_defer_commit_triton(n, self._pend[T], self.conv, *self._stacked[T], *self._stash[T])
             self._deferred = T
             if self.rec.is_cuda and torch.cuda.is_current_stream_capturing():
                 self._captured.add(T)  # replays of this graph defer commits that flush() must find
@@ -351,5 +359,5 @@ class GDNState:
         held = sum(log.nbytes() for log in self.logs if log is not None)
         T = next((log.x.shape[1] for log in self.logs if log is not None), None)
         if T is not None and self._defers(T):
-            held += sum(t.numel() * t.element_size() for t in (self._pend[T], *self._stash[T]))
+            held += sum(t.numel() * t.element_size() for t in (self._pend[T], *self._stash[T]))  # all layers
         return held

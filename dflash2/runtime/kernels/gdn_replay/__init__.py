@@ -19,6 +19,7 @@ def gdn_replay_triton(
     *,
     block_v: int | None = None,
     num_warps: int | None = None,
+    roll_conv: bool = True,
 ) -> None:
     """Commit the first n[r] tokens of the verify that wrote ``log`` into row r, in place.
 
@@ -26,7 +27,8 @@ def gdn_replay_triton(
     (H, d_k, d_v) contiguous per row (e.g. one layer's slice of GDNState's buffers); log from
     :func:`~dflash2.runtime.kernels.gdn_verify.gdn_verify_triton` (ReplaySSM or native);
     n (N,) integer on the device, each in [0, T] (not checked: that would read it back to the host).
-    Rows with n = 0 keep both states. block_v / num_warps: tuning knobs.
+    Rows with n = 0 keep both states. block_v / num_warps: tuning knobs. roll_conv=False folds the
+    recurrent state only (GDNState.flush after a deferred commit, which rolled the window already).
     """
     N, T, C = log.x.shape
     dk, dv = rec_state.shape[2:]
@@ -54,5 +56,62 @@ def gdn_replay_triton(
     bv = block_v or min(triton.next_power_of_2(dv), 16)
     warps = num_warps or default_warps(triton.next_power_of_2(dk) * bv)
     launch_replay(
-        conv_state, rec_state, log.x, k, u, g, states, n, num_k_heads=hk, native=log.native, block_v=bv, num_warps=warps
+                conv_state,
+        rec_state,
+        log.x,
+        k,
+        u,
+        g,
+        states,
+        n,
+        num_k_heads=hk,
+        native=log.native,
+        block_v=bv,
+        num_warps=warps,
+        roll_conv=roll_conv,
     )
+
+
+def gdn_defer_commit_triton(
+    n: torch.Tensor,
+    pend: torch.Tensor,
+    conv: torch.Tensor,
+    x: torch.Tensor,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    stash_k: torch.Tensor,
+    stash_g: torch.Tensor,
+) -> None:
+    """ReplaySSM's deferred commit of all L GDN layers in one launch (defer_kernel.py; twin
+    :func:`~.reference.gdn_defer_commit`): every count of row r := n[r], row r's conv windows rolled by
+    n[r], and the first n[r] logged k / g rows copied to the stash the next verify folds from.
+
+    n (N,) integer in [0, T] on the device (not checked); pend (L, N, P) int32; conv (L, N, C, K-1);
+    x (L, N, T, C); k, stash_k (L, N, T, Hk, d_k) and g, stash_g (L, N, T, H) fp32: each contiguous below
+    its first two dims (GDNState's reserved logs are stacked that way)."""
+    L, N, T, C = x.shape
+    hk = k.shape[3]
+    if (
+        n.shape != (N,)
+        or pend.shape[:2] != (L, N)
+        or conv.shape[:3] != (L, N, C)
+        or k.shape[:3] != (L, N, T)
+        or g.shape[:3] != (L, N, T)
+        or stash_k.shape != k.shape
+        or stash_g.shape != g.shape
+        or g.shape[3] % hk
+    ):
+        raise ValueError(
+            f"shapes: n {tuple(n.shape)}, pend {tuple(pend.shape)}, conv {tuple(conv.shape)}, x {tuple(x.shape)}, "
+            f"k {tuple(k.shape)}, g {tuple(g.shape)}, stash {tuple(stash_k.shape)} / {tuple(stash_g.shape)}"
+        )
+    for name, t in dict(pend=pend, conv=conv, x=x, k=k, g=g, stash_k=stash_k, stash_g=stash_g).items():
+        if not t[0, 0].is_contiguous():
+            raise ValueError(f"{name} must be contiguous below its (layer, row) dims")
+    from dflash2.runtime.kernels.gdn_replay.defer_kernel import launch_defer
+    from dflash2.runtime.kernels.triton_util import check_device
+
+    check_device(conv, pend)
+    if L == 0 or N == 0:
+        return
+    launch_defer(n, pend, conv, x, k, g, stash_k, stash_g)

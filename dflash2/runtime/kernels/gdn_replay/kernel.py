@@ -3,7 +3,9 @@
 Grid (d_v / BV, N·H), the verify kernel's layout: each program owns the (d_k × BV) tile of
 row n, value head h of the recurrent state, which it updates in place, and 1/(NV·H) of the
 row's conv channels, whose window it rolls in place (every program reads only what it
-writes, so in-place is race-free). Rows with n = 0 return at once.
+writes, so in-place is race-free across programs; a barrier orders it within one). Rows
+with n = 0 return at once. ``ROLL=False`` folds the state only (a flush after a deferred
+commit, which rolled the window itself: defer_kernel.py).
 
 ReplaySSM folds the n logged tokens: h ← exp(g_t)·h; h ← h + k_t u_tᵀ, the verify kernel's
 two state updates on the same fp32 values. Both kernels are compiled without FMA
@@ -53,6 +55,7 @@ def gdn_replay_kernel(
     BC: tl.constexpr,
     BW: tl.constexpr,
     NATIVE: tl.constexpr,
+    ROLL: tl.constexpr,  # roll the conv window too (False: a deferred commit rolled it already)
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -96,6 +99,7 @@ def gdn_replay_kernel(
                 h = h + k_t[:, None] * u_t[None, :]
                 g_t, k_t, u_t = g_n, k_n, u_n
         tl.store(p_rec, h, mask=m_h)
+    if ROLL & (n > 0):
         # conv window: new column j = column n + j of [old window (KW-1) | x_0 .. x_{T-1}]
         o_c = (i_v * H + i_h) * BC + tl.arange(0, BC)
         m_c = o_c < C
@@ -115,10 +119,15 @@ def gdn_replay_kernel(
             other=0.0,
         )
         window = tl.where(in_window[None, :], old, new.to(old.dtype))
+        # every thread's reads of the old columns before any thread overwrites them (column w is read by
+        # the thread that writes column w − n, which need not be the same thread)
+        tl.debug_barrier()
         tl.store(conv_row + o_c[:, None] * stride_cc + o_w[None, :], window, mask=m_c[:, None] & m_w[None, :])
 
 
-def launch_replay(conv_state, rec_state, x, log_k, log_u, log_g, states, n, *, num_k_heads, native, block_v, num_warps):
+def launch_replay(
+    conv_state, rec_state, x, log_k, log_u, log_g, states, n, *, num_k_heads, native, block_v, num_warps, roll_conv=True
+):
     """Grid (d_v / BV, N·H); tensors as in gdn_replay_kernel; the other mode's logs may be any tensor."""
     N, T, C = x.shape
     H, DK, DV = rec_state.shape[1:]
@@ -150,6 +159,7 @@ def launch_replay(conv_state, rec_state, x, log_k, log_u, log_g, states, n, *, n
         BC=triton.next_power_of_2(triton.cdiv(C, nv * H)),  # each of a row's NV·H programs rolls BC channels
         BW=triton.next_power_of_2(max(KW - 1, 1)),
         NATIVE=native,
+        ROLL=roll_conv,
         num_warps=num_warps,
         enable_fp_fusion=False,
     )

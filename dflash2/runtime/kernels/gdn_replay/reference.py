@@ -39,7 +39,36 @@ def gdn_replay(
             folded = h * log.g[:, t].exp()[..., None, None]  # decay first, then the rank-1 update,
             folded = folded + k[:, t, :, :, None] * log.u[:, t, :, None, :]  # exactly as verify rounds
             h = torch.where((t < n)[:, None, None, None], folded, h)
+    return roll_window(conv_state, log.x, n), h  # window columns n .. n+K-2 = the last K-1 inputs after n tokens
+
+
+def roll_window(conv_state: torch.Tensor, x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """The conv window after n[r] of the T tokens x (N, T, C): columns n .. n+K-2 of [window | x]."""
     km1 = conv_state.shape[-1]
-    window = torch.cat([conv_state, log.x.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # (N, C, K-1+T)
+    window = torch.cat([conv_state, x.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # (N, C, K-1+T)
     idx = (n[:, None] + torch.arange(km1, device=n.device))[:, None, :].expand(-1, window.shape[1], -1)
-    return window.gather(-1, idx), h  # window columns n .. n+K-2 = the last K-1 inputs after n tokens
+    return window.gather(-1, idx)
+
+
+def gdn_defer_commit(
+    n: torch.Tensor,
+    pend: torch.Tensor,
+    conv: torch.Tensor,
+    x: torch.Tensor,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    stash_k: torch.Tensor,
+    stash_g: torch.Tensor,
+) -> None:
+    """Twin of the deferred commit kernel (defer_kernel.py), in place, for all L layers at once.
+
+    n (N,) accepted tokens per row; pend (L, N, P) int32 counts; conv (L, N, C, K-1) windows; x (L, N, T, C),
+    k (L, N, T, Hk, d_k), g (L, N, T, H) the verifies' logs; stash_k / stash_g shaped as k / g. Every count
+    of row r becomes n[r], row r's windows are rolled by n[r], and the first n[r] rows of k and g are copied
+    to the stash (the rest of the stash is left as it was: the fold never reads it)."""
+    pend.copy_(n.view(1, -1, 1).expand_as(pend))
+    for layer in range(conv.shape[0]):
+        conv[layer].copy_(roll_window(conv[layer], x[layer], n))
+    kept = torch.arange(x.shape[2], device=n.device)[None, :] < n[:, None]  # (N, T)
+    stash_k.copy_(torch.where(kept[None, :, :, None, None], k, stash_k))
+    stash_g.copy_(torch.where(kept[None, :, :, None], g, stash_g))

@@ -57,12 +57,14 @@ def gdn_verify_triton(
         (N, T, H, d_k, d_v) fp32. The log keeps x itself (no copy), or, with ``out`` (a log of that
         layout, e.g. GDNState's reserved one for CUDA graphs), is written there, x stored by the kernel.
 
-        fold (ReplaySSM, needs ``out``): the deferred commit of the previous verify, whose log ``out``
-        still holds (same T). Before verifying, the first fold.n[r] logged tokens of ``out`` are
-        committed into row r of both states *in place* — exactly what gdn_replay_triton(conv_state,
-        rec_state, out, n) would leave, bit for bit — and the new block is verified from there; the
-        counts are zeroed (a second call folds nothing). fold.n must have recur_programs(H, d_v, block_v)
-        columns (the recurrence kernel's programs per row).
+        fold (ReplaySSM, needs ``out``): a deferred commit of the previous verify, whose log ``out``
+        still holds (same T), and which gdn_defer_commit_triton has applied to everything but the
+        recurrent state: the conv window is rolled and the pending tokens' k / g are in fold.k / fold.g.
+        Before verifying, those first fold.n[r] tokens (fold.k, fold.g, out.u) are folded into row r's
+        rec_state *in place* — bit for bit what gdn_replay_triton(conv_state, rec_state, out, n) would
+        leave there — and the new block is verified from there; the counts are zeroed (a second call
+        folds nothing). fold.n must have recur_programs(H, d_v, block_v) columns (the recurrence
+        kernel's programs per row).
         block_v / block_t / num_warps / prep_warps: tile width over d_v, tokens per chunk, warps per
         recurrence / prep program. stages: the recurrence's token loops prefetch by hand two tokens ahead
         (0, native's default) or go through Triton's software pipeline of that many stages (ReplaySSM's
@@ -70,9 +72,9 @@ def gdn_verify_triton(
         stages ≥ 1): o_t = hᵀq + (k·q) u_t, whose d_k sum no longer waits for u_t (outputs round
         differently; the state and the log do not). pdl (CUDA, Hopper on; sequential walk only): the recurrence
     kernel is launched as a programmatic dependent of the prep kernel (``launch_pdl``), so it starts while the
-    prep runs, loads its state tile and pending count, and waits (``gdc_wait``) only before its first read of the
-    prep's outputs: the kernel boundary's drain and launch and the state load overlap the prep (same values:
-    nothing it reads early is written by the prep). All are tuning knobs (dflash2/runtime/bench_gdn.py).
+    prep runs, loads its state tile, folds a pending commit, and waits (``gdc_wait``) only before its first read
+    of the prep's outputs: the kernel boundary's drain and launch, the state load and the fold overlap the prep
+    (same values: nothing it reads early is written by the prep). All are tuning knobs (dflash2/runtime/bench_gdn.py).
 
         chunked (ReplaySSM; ignored by native, whose per-token states are the sequential walk's output):
         after the unchanged exact fold of the pending tokens, the block's o and u come from matrix
@@ -127,8 +129,6 @@ def gdn_verify_triton(
             raise ValueError(f"fold.n {tuple(fold.n.shape)}: expected ({N}, {recur_programs(H, dv, bv)}) contiguous")
         if fold.k.shape != log.k.shape or fold.g.shape != log.g.shape:
             raise ValueError("fold.k / fold.g must have the log's k / g shapes")
-        if x.data_ptr() == log.x.data_ptr():  # the fold reads the previous block's x there
-            raise ValueError("x is the log's own x: the pending fold's inputs would be overwritten")
     if T == 0 or N == 0:
         return o, log
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -151,8 +151,7 @@ def gdn_verify_triton(
     # token decode) and a (16, d) tile (a block) rounded the norm differently, and so did the kernels
     # with and without the fold's extra loads. Same chunk shape, same code: every token is normalised
     # and folded bit for bit as decoding does it (the exact fold); the masked rows move no bytes.
-    # Only the first chunk may read the old window and x (kernel.py): BT ≥ K-1.
-    bt = max(block_t or PREP_TOKENS, triton.next_power_of_2(K - 1))
+    bt = block_t or PREP_TOKENS
     if stages is None:
         # ReplaySSM: the pipelined loops (bit for bit the hand prefetch's results; H200, 9B shape: 25.9 ->
         # 22.9 µs per layer at batch 1, docs/BENCHMARKS.md). Native keeps the hand prefetch: at batch 64

@@ -16,29 +16,17 @@ Two kernels per verify, because the recurrence is latency-bound:
    ReplaySSM logs u, native rollback stores h after every token.
 
 **The deferred commit (FOLD, ReplaySSM with a reserved log; docs/ARCHITECTURE.md §5.5).** A
-commit only records its counts; the next verify of the layer folds them. Then the prep kernel
-first rolls the conv window by the pending n (new window = columns n .. n+K-2 of
-[old window | previous block's x], written back once) and convolves the new block over that
-window, and the recurrence kernel first folds the pending n logged tokens into the state tile
-it already holds in registers — h ← h·exp(g_t); h ← h + k_t u_tᵀ, the commit kernel's
-operations in its order — writes the folded tile back once and zeroes its count, then walks
-the new block. One state read and one write per step instead of two of each, and no fold
-launch. The log being folded is the one this verify overwrites (the same reserved addresses,
-which CUDA graphs need), so every old value is read before it is overwritten:
-
-* the previous x columns and the old window: by the prep program that owns those channels,
-  before it stores the new ones (a barrier between, because its threads load and store
-  different elements);
-* the previous k and g: read by many recurrence programs (every value head of a key head,
-  every value slice), so the prep program that overwrites them first copies the pending
-  tokens' rows to a stash (one layer's worth, shared by all layers: it is consumed within the
-  verify) from which the recurrence folds;
-* the previous u: each recurrence program reads only its own (head, value slice), all of
-  it in the fold, before storing the new block's (a barrier between, as above).
-
-The counts are per recurrence program (all equal within a row) and each program zeroes its
-own, so a second verify without a commit in between folds nothing; the prep kernel, which
-runs before, reads the first column.
+commit does not fold: one launch for all layers (gdn_replay/defer_kernel.py) rolls each conv
+window by the accepted n, copies the accepted tokens' logged k and g to a per-layer stash and
+records n as a count per recurrence program. The next verify's recurrence kernel then folds
+those n tokens — h ← h·exp(g_t); h ← h + k_t u_tᵀ, the commit kernel's operations in its order —
+into the state tile it already holds in registers, writes the folded tile back once and zeroes
+its count, then walks the new block. One state read and one write per step instead of two of
+each, and no fold launch. What the fold reads is never written during the verify: the stash
+(the new block's k and g go to the log), and the program's own (head, value slice) of the old u,
+all read before its first new u is stored (a barrier between: its threads hold different
+elements). So the fold needs nothing of the prep kernel's, and with ``pdl`` it runs while the prep
+does. The prep kernel reads the window the commit rolled and never writes it.
 
 Why not one kernel: a fused version picked token t's q/k/v/g/β out of the chunk's tiles
 with masked sums — five more cross-warp reductions per token, which made the token loop
@@ -52,7 +40,7 @@ import triton.language as tl
 @triton.jit
 def gdn_prep_kernel(
     x,  # (N, T, C) pre-conv q|k|v, model dtype, channels contiguous
-    conv,  # (N, C, KW-1) conv window, model dtype; FOLD: rolled by the pending n in place
+    conv,  # (N, C, KW-1) conv window, model dtype (a deferred commit has rolled it already)
     w,  # (C, KW) conv weight
     a,  # (N, T, H) in_proj_a output
     b,  # (N, T, H) in_proj_b output
@@ -63,10 +51,7 @@ def gdn_prep_kernel(
     v_out,  # (N, T, H, DV) fp32 out: conv + SiLU
     g_out,  # (N, T, H) fp32 out: log decay (the ReplaySSM log's g)
     beta_out,  # (N, T, H) fp32 out
-    x_log,  # (N, T, C) the log's x: FOLD reads the pending tokens' columns; STORE_X stores this block's
-    pend,  # (N, P) int32 pending counts (FOLD: column 0 is read; the recurrence kernel zeroes them)
-    stash_k,  # (N, T, HK, DK) fp32 out (FOLD): the pending tokens' logged k, before k_out overwrites it
-    stash_g,  # (N, T, H) fp32 out (FOLD): their logged g
+    x_log,  # (N, T, C) out (STORE_X): the log's x, this block's pre-conv inputs
     T,
     stride_xn,
     stride_xt,
@@ -78,17 +63,14 @@ def gdn_prep_kernel(
     stride_bt,
     stride_ln,
     stride_lt,
-    stride_pn,
     HK: tl.constexpr,
     H: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
     KW: tl.constexpr,
     BC: tl.constexpr,  # ≥ max(DK, DV): one head of channels
-    BT: tl.constexpr,  # FOLD: ≥ KW-1
-    BW: tl.constexpr,  # ≥ KW-1: the window's columns
+    BT: tl.constexpr,  # tokens per chunk
     SQRT_DK: tl.constexpr,
-    FOLD: tl.constexpr,
     STORE_X: tl.constexpr,
     PDL: tl.constexpr,  # the recurrence is launched as a programmatic dependent: let it start now
 ):
@@ -109,26 +91,6 @@ def gdn_prep_kernel(
     x_row = x + i_n * stride_xn
     conv_row = conv + i_n * stride_cn
     xl_row = x_log + i_n * stride_ln
-    if FOLD:
-        n = tl.load(pend + i_n * stride_pn).to(tl.int32)  # pending tokens of the previous block
-        # of those, the logged k (k programs) and g (v programs) go to the stash the recurrence kernel folds
-        # from (many of its programs read them; this program overwrites them with the new block's): each
-        # chunk below loads its rows before the barrier and stores them after, off the critical path
-        n_k = tl.where((j >= HK) & (j < 2 * HK), n, 0)
-        n_g = tl.where(is_v, n, 0)
-        # the rolled window: column w = column n + w of [old window (KW-1) | previous x], loaded now (in
-        # flight while the conv runs), stored after the first chunk's barrier
-        o_w = tl.arange(0, BW)
-        src_w = n + o_w
-        m_w = (o_w < KW - 1)[:, None] & m_c[None, :]
-        from_w = (src_w < KW - 1)[:, None]
-        w_old = tl.load(conv_row + ch[None, :] * stride_cc + src_w[:, None], mask=m_w & from_w, other=0.0)
-        w_x = tl.load(xl_row + (src_w - (KW - 1))[:, None] * stride_lt + ch[None, :], mask=m_w & ~from_w, other=0.0)
-        # only the first chunk's taps reach back into the window, so its barrier (below) orders every
-        # read of old values before every overwrite
-        tl.static_assert(BT >= KW - 1)
-    else:
-        n = 0
     # gate parameters of the value head (q / k programs read head 0's and never use them: no scalar masks)
     h_gate = tl.maximum(i_h, 0)
     neg_A = -tl.exp(tl.load(A_log + h_gate).to(tl.float32))
@@ -137,51 +99,27 @@ def gdn_prep_kernel(
         o_t = t0 + tl.arange(0, BT)
         m_t = o_t < T
         tok = i_n * T + o_t  # (BT,) flat token index
-        if FOLD:  # this chunk's rows of the pending tokens' k / g (q programs: none; i_h < 0 is masked)
-            p_k = (tok[:, None] * HK + i_hk) * DK + o_c[None, :]
-            m_pk = (o_t < n_k)[:, None] & m_c[None, :]
-            old_k = tl.load(k_out + p_k, mask=m_pk, other=0.0)
-            old_g = tl.load(g_out + tok * H + h_gate, mask=o_t < n_g, other=0.0)
-        # SiLU(causal conv): token t reads columns t .. t+KW-1 of [window (KW-1) | x_0 .. x_{T-1}];
-        # window column c is column n + c of [conv state | previous x] (n = 0 without a pending fold)
+        # SiLU(causal conv): token t reads columns t .. t+KW-1 of [window (KW-1) | x_0 .. x_{T-1}]
         acc = tl.zeros([BT, BC], dtype=tl.float32)
         for jj in tl.static_range(KW):
             col = o_t + jj
             in_window = col < KW - 1
-            # the block's own inputs first: they do not wait for the pending count n
             new = tl.load(
                 x_row + (col - (KW - 1))[:, None] * stride_xt + ch[None, :],
                 mask=(~in_window & m_t)[:, None] & m_c[None, :],
                 other=0.0,
             )
-            src = n + col
             old = tl.load(
-                conv_row + ch[None, :] * stride_cc + src[:, None],
-                mask=(in_window & (src < KW - 1))[:, None] & m_c[None, :],
+                conv_row + ch[None, :] * stride_cc + col[:, None],
+                mask=in_window[:, None] & m_c[None, :],
                 other=0.0,
             )
-            if FOLD:
-                prev = tl.load(
-                    xl_row + (src - (KW - 1))[:, None] * stride_lt + ch[None, :],
-                    mask=(in_window & (src >= KW - 1))[:, None] & m_c[None, :],
-                    other=0.0,
-                )
-                old = tl.where((src < KW - 1)[:, None], old, prev.to(old.dtype))
             w_j = tl.load(w + ch * KW + jj, mask=m_c, other=0.0).to(tl.float32)
             acc += w_j[None, :] * (old.to(tl.float32) + new.to(tl.float32))
         # the reference convolves in the model dtype and applies SiLU there: round twice as it does
         y = acc.to(x_row.dtype.element_ty).to(tl.float32)
         y = y / (1.0 + tl.exp(-y))
         y = y.to(x_row.dtype.element_ty).to(tl.float32)
-        if FOLD:
-            # every thread's reads of the old window, the previous x and the logged k / g are done
-            # before any thread of this program overwrites them (they hold different elements)
-            tl.debug_barrier()
-            tl.store(stash_k + p_k, old_k, mask=m_pk)
-            tl.store(stash_g + tok * H + h_gate, old_g, mask=o_t < n_g)
-            if (t0 == 0) & (n > 0):  # n = 0: the window stays as it is
-                window = tl.where(from_w, w_old, w_x.to(w_old.dtype))
-                tl.store(conv_row + ch[None, :] * stride_cc + o_w[:, None], window, mask=m_w)
         if STORE_X:  # the last tap's `new` is x_t itself: the log keeps the block for the next roll
             tl.store(xl_row + o_t[:, None] * stride_lt + ch[None, :], new, mask=m_t[:, None] & m_c[None, :])
         m_tc = m_t[:, None] & m_c[None, :]
@@ -276,7 +214,7 @@ def gdn_recur_kernel(
     log_u,  # (N, T, H, DV) fp32 out (ReplaySSM); FOLD: holds the pending tokens' u until overwritten
     states,  # (N, T, H, DK, DV) fp32 out (native rollback)
     pend,  # (N, P) int32 pending counts, P = H·NV (FOLD: column i_h·NV + i_v is this program's)
-    stash_k,  # (N, T, HK, DK) fp32 (FOLD): the pending tokens' k, from gdn_prep_kernel
+    stash_k,  # (N, T, HK, DK) fp32 (FOLD): the pending tokens' k, copied there by the deferred commit
     stash_g,  # (N, T, H) fp32 (FOLD): their g
     T,
     stride_rn,
@@ -292,6 +230,7 @@ def gdn_recur_kernel(
     STAGES: tl.constexpr,  # 0: rows prefetched two tokens ahead by hand; ≥ 1: tl.range's software pipeline
     SPLIT_OUT: tl.constexpr,  # (STAGES ≥ 1) o_t = hᵀq + (k·q) u_t: see the loop
     PDL: tl.constexpr,  # launched as a programmatic dependent of the prep kernel: gdc_wait before its outputs
+    # (the fold reads only the stash and its own u, which the prep kernel does not touch: it runs before the wait)
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -313,8 +252,6 @@ def gdn_recur_kernel(
         if FOLD:
             p_n = pend + i_n * stride_pn + i_h * tl.num_programs(0) + i_v
             n = tl.load(p_n)
-            if PDL:  # the state tile and the count are in hand; everything below may read the prep's outputs
-                tl.extra.cuda.gdc_wait()
             if n > 0:
                 for t in tl.range(0, n, num_stages=STAGES):
                     fg, fk, fu = _fold_rows(
@@ -324,7 +261,7 @@ def gdn_recur_kernel(
                 tl.store(p_rec, h, mask=m_h)
                 tl.store(p_n, n * 0)
             tl.debug_barrier()
-        elif PDL:
+        if PDL:  # the state tile is in hand and folded; everything below reads the prep's outputs
             tl.extra.cuda.gdc_wait()
         for t in tl.range(0, T, num_stages=STAGES):
             q_t, k_t, v_t, g_t, beta_t = _token_rows(
@@ -361,22 +298,19 @@ def gdn_recur_kernel(
         if FOLD:
             p_n = pend + i_n * stride_pn + i_h * tl.num_programs(0) + i_v
             n = tl.load(p_n)
-            if PDL:  # the state tile and the count are in hand; the rows below are (or follow) the prep's outputs
-                tl.extra.cuda.gdc_wait()
             fg_0, fk_0, fu_0 = _fold_rows(
                 stash_k, stash_g, log_u, i_n, i_h, i_hk, 0, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
             )
             fg_1, fk_1, fu_1 = _fold_rows(
                 stash_k, stash_g, log_u, i_n, i_h, i_hk, 1, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
             )
-        elif PDL:
-            tl.extra.cuda.gdc_wait()
-        q_0, k_0, v_0, g_0, beta_0 = _token_rows(
-            q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, 0, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
-        )
-        q_1, k_1, v_1, g_1, beta_1 = _token_rows(
-            q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, 1, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
-        )
+        if not PDL:  # the block's first rows in flight during the fold (with PDL they wait for the prep)
+            q_0, k_0, v_0, g_0, beta_0 = _token_rows(
+                q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, 0, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
+            )
+            q_1, k_1, v_1, g_1, beta_1 = _token_rows(
+                q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, 1, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
+            )
         if FOLD:
             if n > 0:
                 # the deferred commit: gdn_replay_kernel's fold on the tile in registers, same operations in
@@ -392,6 +326,14 @@ def gdn_recur_kernel(
                 tl.store(p_n, n * 0)  # consumed: a second verify without a commit folds nothing
             # the fold's reads of the old u are done in every thread before the new block's u is stored
             tl.debug_barrier()
+        if PDL:  # the fold needed nothing of the prep's; the block does
+            tl.extra.cuda.gdc_wait()
+            q_0, k_0, v_0, g_0, beta_0 = _token_rows(
+                q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, 0, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
+            )
+            q_1, k_1, v_1, g_1, beta_1 = _token_rows(
+                q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, 1, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
+            )
         for t in range(T):
             # the rows two tokens ahead first: their loads are in flight while this token's step runs
             q_2, k_2, v_2, g_2, beta_2 = _token_rows(
@@ -455,7 +397,7 @@ def launch_verify(
 ):
     """gdn_prep_kernel on grid (N, 2·Hk + H), then gdn_recur_kernel on grid (d_v / BV, N·H). Tensors as in
     the kernels (conv_weight as (C, K)); prep = (q, k, v, g, β) fp32 buffers of the prep kernel's
-    output shapes; x_log the log's x (read by the fold, written when store_x); fold = (pend, stash_k,
+    output shapes; x_log the log's x (written when store_x); fold = (pend, stash_k,
     stash_g), zero counts when nothing is pending; the unused output of the other mode may be any
     tensor (never touched). chunked (ReplaySSM): chunk_kernel.py's recurrence instead, a dict of
     launch_chunk_recur's chunk_block_v / block_k / num_warps (the fold's counts keep block_v's layout).
@@ -479,9 +421,6 @@ def launch_verify(
         g,
         beta,
         x_log,
-        pend,
-        stash_k,
-        stash_g,
         T,
         x.stride(0),
         x.stride(1),
@@ -493,7 +432,6 @@ def launch_verify(
         b.stride(1),
         x_log.stride(0),
         x_log.stride(1),
-        pend.stride(0),
         HK=num_k_heads,
         H=H,
         DK=DK,
@@ -501,9 +439,7 @@ def launch_verify(
         KW=KW,
         BC=triton.next_power_of_2(max(DK, DV)),
         BT=block_t,
-        BW=triton.next_power_of_2(max(KW - 1, 1)),
         SQRT_DK=float(DK) ** 0.5,
-        FOLD=True,  # always: see gdn_verify_triton (one compiled variant)
         STORE_X=store_x,
         PDL=bool(pdl),
         num_warps=prep_warps,
