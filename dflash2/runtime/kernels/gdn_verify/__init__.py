@@ -41,7 +41,7 @@ def gdn_verify_triton(
     prep_warps: int | None = None,
     stages: int | None = None,
     split_out: bool = False,
-    pdl: bool = False,
+    pdl: bool | None = None,
     chunked: bool = False,
     chunk_warps: int | None = None,
     chunk_block_v: int | None = None,
@@ -74,7 +74,9 @@ def gdn_verify_triton(
     kernel is launched as a programmatic dependent of the prep kernel (``launch_pdl``), so it starts while the
     prep runs, loads its state tile, folds a pending commit, and waits (``gdc_wait``) only before its first read
     of the prep's outputs: the kernel boundary's drain and launch, the state load and the fold overlap the prep
-    (same values: nothing it reads early is written by the prep). All are tuning knobs (dflash2/runtime/bench_gdn.py).
+    (same values: nothing it reads early is written by the prep). None (the default): on for ReplaySSM's
+    sequential walk on a GPU of compute capability ≥ 9, off for native, whose per-token state stores it slowed
+    (H200, 9B shape, batch 1: ReplaySSM 18.1 -> 15.7 µs per layer, native 23.7 -> 26.6; docs/BENCHMARKS.md). All are tuning knobs (dflash2/runtime/bench_gdn.py).
 
         chunked (ReplaySSM; ignored by native, whose per-token states are the sequential walk's output):
         after the unchanged exact fold of the pending tokens, the block's o and u come from matrix
@@ -181,7 +183,7 @@ def gdn_verify_triton(
         block_t=bt,
         stages=stages,
         split_out=bool(split_out) and stages > 0,
-        pdl=bool(pdl) and x.is_cuda,  # the interpreter has no grid dependency control
+        pdl=(_pdl_by_default(x.device, native, chunked) if pdl is None else bool(pdl)) and x.is_cuda,
         # one token: the sequential walk is the cheaper one
         chunked=(
             dict(
@@ -199,6 +201,14 @@ def gdn_verify_triton(
         prep_warps=prep_warps or 4,
     )
     return o, log
+
+
+def _pdl_by_default(device: torch.device, native: bool, chunked: bool) -> bool:
+    """pdl=None: on for ReplaySSM's sequential walk where griddepcontrol exists (CUDA, compute capability ≥ 9);
+    the interpreter (CPU tensors) has no grid dependency control."""
+    if native or chunked or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 _NO_PENDING: dict[tuple, torch.Tensor] = {}
