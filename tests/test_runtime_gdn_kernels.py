@@ -202,6 +202,31 @@ def test_exact_fold_equals_single_token_decoding(device, T, heads):
     assert not torch.equal(rec_steps[1], rec_steps[0]) and not torch.equal(rec_steps[1], rec_steps[2])
 
 
+@pytest.mark.parametrize("device, T, heads", per_device(cpu=[(3, GQA_CPU)], cuda=[(16, GQA), (9, (3, 3, 9, 5))]))
+def test_bf16_block_verify_equals_single_token_decoding(device, T, heads):
+    """What makes speculative output equal plain greedy output on a bf16 hybrid target, the GDN part: the
+    engine's way (reserved logs, deferred commits), a T-token verify's bf16 outputs equal bit for bit those
+    that T single-token steps (verify(1) + commit(1)) emit, and committing all T tokens then leaves bit for
+    bit the decoded states. (bf16 rounds the conv output, SiLU and β: a different reduction order anywhere
+    in the prep or the walk would show here as a one-ulp difference.)"""
+    N = 2
+    case = make_case(N, T, heads, dtype=torch.bfloat16, device=device, seed=30 + T)
+    block, single = _gdn_state(case, "replay"), _gdn_state(case, "replay")
+    block.reserve(T)
+    single.reserve(1)
+    o_block = block.verify(0, *_inputs(case))
+    block.commit(torch.full((N,), T, device=device))
+    block.flush()
+    o_steps = []
+    for t in range(T):
+        o_steps.append(single.verify(0, *_inputs(case, t)))
+        single.commit(torch.ones(N, dtype=torch.long, device=device))
+    single.flush()
+    assert o_block.dtype == torch.bfloat16
+    assert torch.equal(o_block, torch.cat(o_steps, dim=1))
+    assert torch.equal(block.rec, single.rec) and torch.equal(block.conv, single.conv)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_reserved_logs_keep_their_addresses(device):
     """After reserve(T), every mode's T-token verify writes its log into the reserved tensors (what

@@ -13,6 +13,7 @@ import torch
 from dflash2.runtime.kernels.gdn_log import GDNLog, PendingFold, default_block_v, new_log, recur_programs
 
 PREP_TOKENS = 16  # the prep kernel's tokens per chunk (see gdn_verify_triton)
+PDL_MAX_ROWS = 1  # pdl=None turns pdl on up to this many rows (see gdn_verify_triton)
 DEFAULT_STAGES = 3  # ReplaySSM's recurrence: software-pipeline stages of its token loops (see gdn_verify_triton)
 # the chunked recurrence's warps and d_k slice (chunk_kernel.py: 85 registers, no spills, compiled offline
 # for sm_90a at the 9B shape; not yet timed on a GPU). Here, not imported from chunk_kernel.py: that
@@ -75,8 +76,11 @@ def gdn_verify_triton(
     prep runs, loads its state tile, folds a pending commit, and waits (``gdc_wait``) only before its first read
     of the prep's outputs: the kernel boundary's drain and launch, the state load and the fold overlap the prep
     (same values: nothing it reads early is written by the prep). None (the default): on for ReplaySSM's
-    sequential walk on a GPU of compute capability ≥ 9, off for native, whose per-token state stores it slowed
-    (H200, 9B shape, batch 1: ReplaySSM 18.1 -> 15.7 µs per layer, native 23.7 -> 26.6; docs/BENCHMARKS.md). All are tuning knobs (dflash2/runtime/bench_gdn.py).
+    sequential walk at one row (PDL_MAX_ROWS) on a GPU of compute capability ≥ 9; off for native, whose
+    per-token state stores it slowed, and for more rows, where it did not pay (H200, per GDN layer, 3 of 16
+    tokens accepted: 9B shape batch 1 ReplaySSM 18.0 -> 15.4 µs, native 23.6 -> 26.6; batch 8 53.2 -> 53.9;
+    the small pair's shape, block 8, batch 1 10.3 -> 8.7, batch 8 13.7 -> 16.2; docs/BENCHMARKS.md).
+    All are tuning knobs (dflash2/runtime/bench_gdn.py).
 
         chunked (ReplaySSM; ignored by native, whose per-token states are the sequential walk's output):
         after the unchanged exact fold of the pending tokens, the block's o and u come from matrix
@@ -183,7 +187,7 @@ def gdn_verify_triton(
         block_t=bt,
         stages=stages,
         split_out=bool(split_out) and stages > 0,
-        pdl=(_pdl_by_default(x.device, native, chunked) if pdl is None else bool(pdl)) and x.is_cuda,
+        pdl=(_pdl_by_default(x.device, N, native, chunked) if pdl is None else bool(pdl)) and x.is_cuda,
         # one token: the sequential walk is the cheaper one
         chunked=(
             dict(
@@ -203,10 +207,10 @@ def gdn_verify_triton(
     return o, log
 
 
-def _pdl_by_default(device: torch.device, native: bool, chunked: bool) -> bool:
-    """pdl=None: on for ReplaySSM's sequential walk where griddepcontrol exists (CUDA, compute capability ≥ 9);
-    the interpreter (CPU tensors) has no grid dependency control."""
-    if native or chunked or device.type != "cuda":
+def _pdl_by_default(device: torch.device, rows: int, native: bool, chunked: bool) -> bool:
+    """pdl=None: on for ReplaySSM's sequential walk of at most PDL_MAX_ROWS rows where griddepcontrol exists
+    (CUDA, compute capability ≥ 9); the interpreter (CPU tensors) has no grid dependency control."""
+    if native or chunked or rows > PDL_MAX_ROWS or device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 
