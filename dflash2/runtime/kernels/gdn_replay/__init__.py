@@ -56,7 +56,7 @@ def gdn_replay_triton(
     bv = block_v or min(triton.next_power_of_2(dv), 16)
     warps = num_warps or default_warps(triton.next_power_of_2(dk) * bv)
     launch_replay(
-                conv_state,
+        conv_state,
         rec_state,
         log.x,
         k,
