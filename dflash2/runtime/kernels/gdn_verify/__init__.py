@@ -43,7 +43,6 @@ def gdn_verify_triton(
     stages: int | None = None,
     split_out: bool = False,
     pdl: bool | None = None,
-    fused: bool = False,
     chunked: bool = False,
     chunk_warps: int | None = None,
     chunk_block_v: int | None = None,
@@ -83,11 +82,6 @@ def gdn_verify_triton(
     the small pair's shape, block 8, batch 1 10.3 -> 8.7, batch 8 13.7 -> 16.2; docs/BENCHMARKS.md).
     All are tuning knobs (dflash2/runtime/bench_gdn.py).
 
-        fused: one kernel instead of prep + recurrence (fused_kernel.py): each recurrence program prepares
-        its own key head's q / k and its value slice, then walks; no kernel boundary between them, at the
-        price of recomputing a key head's q / k in each of its programs. Rounds the q / k norm in another
-        layout than the two-kernel path, so one state uses one of them for all its verifies. pdl and
-        prep_warps do not apply.
         chunked (ReplaySSM; ignored by native, whose per-token states are the sequential walk's output):
         after the unchanged exact fold of the pending tokens, the block's o and u come from matrix
         products over chunks of 16 tokens and a 16 × 16 triangular solve (chunk_kernel.py, twin
@@ -116,8 +110,6 @@ def gdn_verify_triton(
         raise ValueError("conv_state needs contiguous columns and rec_state contiguous (H, d_k, d_v) per row")
     bv = block_v or default_block_v(dv)
     cbv = chunk_block_v or bv
-    if fused and chunked:
-        raise ValueError("fused and chunked are two different verify kernels: pick one")
     if chunked and cbv % bv:  # an argument error, before the device check: the same message on every device
         raise ValueError(f"chunk_block_v {cbv} must be a multiple of block_v {bv} (the pending counts' slices)")
     import triton  # here, not at import: the twins and GDNState's reference mode need no Triton
@@ -173,34 +165,6 @@ def gdn_verify_triton(
         stages = 0 if native else DEFAULT_STAGES
     if fold is None:
         fold = _no_fold(N, recur_programs(H, dv, bv), prep[1], prep[3])
-    if fused:
-        from dflash2.runtime.kernels.gdn_verify.fused_kernel import launch_fused
-
-        launch_fused(
-            x,
-            conv_state,
-            conv_weight.reshape(C, K).contiguous(),
-            rec_state,
-            a,
-            b,
-            A_log.contiguous(),
-            dt_bias.contiguous(),
-            o,
-            prep,
-            u,
-            states,
-            log.x,
-            (fold.n, fold.k, fold.g),
-            num_k_heads=num_k_heads,
-            native=native,
-            store_x=out is not None,
-            block_v=bv,
-            block_t=bt,
-            stages=stages,
-            split_out=bool(split_out) and stages > 0,
-            num_warps=num_warps or default_warps(bk * bv),
-        )
-        return o, log
     launch_verify(
         x,
         conv_state,

@@ -38,45 +38,6 @@ import triton.language as tl
 
 
 @triton.jit
-def _conv_silu(x_row, conv_row, w, ch, m_c, o_t, m_t, stride_xt, stride_cc, KW: tl.constexpr, BT: tl.constexpr, BC):
-    """SiLU(depthwise causal conv) of block tokens o_t (BT,) over channels ch (BC,): token t reads columns
-    t .. t+KW-1 of [window (KW-1) | x_0 .. x_{T-1}]. Returns y (BT, BC) fp32 rounded as the reference
-    rounds (the conv and the SiLU in the model dtype) and the last tap's inputs, which are x_t itself."""
-    acc = tl.zeros([BT, BC], dtype=tl.float32)
-    for jj in tl.static_range(KW):
-        col = o_t + jj
-        in_window = col < KW - 1
-        new = tl.load(
-            x_row + (col - (KW - 1))[:, None] * stride_xt + ch[None, :],
-            mask=(~in_window & m_t)[:, None] & m_c[None, :],
-            other=0.0,
-        )
-        old = tl.load(
-            conv_row + ch[None, :] * stride_cc + col[:, None], mask=in_window[:, None] & m_c[None, :], other=0.0
-        )
-        w_j = tl.load(w + ch * KW + jj, mask=m_c, other=0.0).to(tl.float32)
-        acc += w_j[None, :] * (old.to(tl.float32) + new.to(tl.float32))
-    y = acc.to(x_row.dtype.element_ty).to(tl.float32)
-    y = y / (1.0 + tl.exp(-y))
-    return y.to(x_row.dtype.element_ty).to(tl.float32), new
-
-
-@triton.jit
-def _gates(a_row, b_row, o_t, m_t, stride_at, stride_bt, i_h, neg_A, dt_b):
-    """g (log decay) and β of value head i_h for tokens o_t (BT,), fp32. g = -exp(A_log) · softplus(a +
-    dt_bias): torch's softplus (threshold 20) with an accurate log1p(e) = log(1+e) · e / ((1+e) − 1) (plain
-    log(1+e) loses the small decays' digits); β = sigmoid(b) rounded to the model dtype, as the reference."""
-    z = tl.load(a_row + o_t * stride_at + i_h, mask=m_t, other=0.0).to(tl.float32) + dt_b
-    e = tl.exp(tl.minimum(z, 20.0))  # clamped: no inf / nan in the branch tl.where drops
-    one_e = 1.0 + e
-    soft = tl.log(one_e) * (e / tl.where(one_e == 1.0, 1.0, one_e - 1.0))
-    g = neg_A * tl.where(z > 20.0, z, tl.where(one_e == 1.0, e, soft))
-    b_t = tl.load(b_row + o_t * stride_bt + i_h, mask=m_t, other=0.0).to(tl.float32)
-    beta = (1.0 / (1.0 + tl.exp(-b_t))).to(b_row.dtype.element_ty).to(tl.float32)
-    return g, beta
-
-
-@triton.jit
 def gdn_prep_kernel(
     x,  # (N, T, C) pre-conv q|k|v, model dtype, channels contiguous
     conv,  # (N, C, KW-1) conv window, model dtype (a deferred commit has rolled it already)
@@ -138,14 +99,43 @@ def gdn_prep_kernel(
         o_t = t0 + tl.arange(0, BT)
         m_t = o_t < T
         tok = i_n * T + o_t  # (BT,) flat token index
-        y, new = _conv_silu(x_row, conv_row, w, ch, m_c, o_t, m_t, stride_xt, stride_cc, KW, BT, BC)
+        # SiLU(causal conv): token t reads columns t .. t+KW-1 of [window (KW-1) | x_0 .. x_{T-1}]
+        acc = tl.zeros([BT, BC], dtype=tl.float32)
+        for jj in tl.static_range(KW):
+            col = o_t + jj
+            in_window = col < KW - 1
+            new = tl.load(
+                x_row + (col - (KW - 1))[:, None] * stride_xt + ch[None, :],
+                mask=(~in_window & m_t)[:, None] & m_c[None, :],
+                other=0.0,
+            )
+            old = tl.load(
+                conv_row + ch[None, :] * stride_cc + col[:, None],
+                mask=in_window[:, None] & m_c[None, :],
+                other=0.0,
+            )
+            w_j = tl.load(w + ch * KW + jj, mask=m_c, other=0.0).to(tl.float32)
+            acc += w_j[None, :] * (old.to(tl.float32) + new.to(tl.float32))
+        # the reference convolves in the model dtype and applies SiLU there: round twice as it does
+        y = acc.to(x_row.dtype.element_ty).to(tl.float32)
+        y = y / (1.0 + tl.exp(-y))
+        y = y.to(x_row.dtype.element_ty).to(tl.float32)
         if STORE_X:  # the last tap's `new` is x_t itself: the log keeps the block for the next roll
             tl.store(xl_row + o_t[:, None] * stride_lt + ch[None, :], new, mask=m_t[:, None] & m_c[None, :])
         m_tc = m_t[:, None] & m_c[None, :]
         if is_v:
             tl.store(v_out + (tok[:, None] * H + i_h) * DV + o_c[None, :], y, mask=m_tc)
-            g, beta = _gates(a + i_n * stride_an, b + i_n * stride_bn, o_t, m_t, stride_at, stride_bt, i_h, neg_A, dt_b)
+            # g = -exp(A_log) · softplus(a + dt_bias): torch's softplus (threshold 20) with an accurate
+            # log1p(e) = log(1+e) · e / ((1+e) − 1) (plain log(1+e) loses the small decays' digits)
+            z = tl.load(a + i_n * stride_an + o_t * stride_at + i_h, mask=m_t, other=0.0).to(tl.float32) + dt_b
+            e = tl.exp(tl.minimum(z, 20.0))  # clamped: no inf / nan in the branch tl.where drops
+            one_e = 1.0 + e
+            soft = tl.log(one_e) * (e / tl.where(one_e == 1.0, 1.0, one_e - 1.0))
+            g = neg_A * tl.where(z > 20.0, z, tl.where(one_e == 1.0, e, soft))
             tl.store(g_out + tok * H + i_h, g, mask=m_t)
+            # β = sigmoid(b) rounded to the model dtype, as the reference computes it there
+            b_t = tl.load(b + i_n * stride_bn + o_t * stride_bt + i_h, mask=m_t, other=0.0).to(tl.float32)
+            beta = (1.0 / (1.0 + tl.exp(-b_t))).to(b.dtype.element_ty).to(tl.float32)
             tl.store(beta_out + tok * H + i_h, beta, mask=m_t)
         else:
             y = y * tl.math.rsqrt(tl.sum(y * y, 1) + 1e-6)[:, None]
