@@ -253,9 +253,20 @@ def gdn_recur_kernel(
             p_n = pend + i_n * stride_pn + i_h * tl.num_programs(0) + i_v
             n = tl.load(p_n)
             if n > 0:
-                for t in tl.range(0, n, num_stages=STAGES):
+                # two tokens per iteration, then the odd one out: the same updates in the same order, the loop's
+                # per-iteration cost shared (H200, 9B shape, batch 1, all 16 of 16 pending: 17.1 -> 16.0 µs per
+                # layer; docs/BENCHMARKS.md stop 20)
+                for t in tl.range(0, n - 1, 2, num_stages=STAGES):
                     fg, fk, fu = _fold_rows(
                         stash_k, stash_g, log_u, i_n, i_h, i_hk, t, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
+                    )
+                    fg1, fk1, fu1 = _fold_rows(
+                        stash_k, stash_g, log_u, i_n, i_h, i_hk, t + 1, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
+                    )
+                    h = _fold_token(_fold_token(h, fg, fk, fu), fg1, fk1, fu1)
+                if n % 2 == 1:
+                    fg, fk, fu = _fold_rows(
+                        stash_k, stash_g, log_u, i_n, i_h, i_hk, n - 1, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
                     )
                     h = _fold_token(h, fg, fk, fu)
                 tl.store(p_rec, h, mask=m_h)
