@@ -45,16 +45,15 @@ def _case(L, N, T, heads, K, P, dtype, device, seed):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "T, heads, K, dtype",
+    "T, heads, K, dtype, P",  # P: counts per row (any width; two cases not a multiple of Hk: ragged tiles)
     [
-        (9, (2, 4, 5, 7), 4, torch.float32),  # GQA, odd dims, the Qwen3.5 conv kernel
-        (1, (3, 3, 3, 6), 2, torch.bfloat16),  # AR's one token, equal heads, a one-column window
-        (9, (1, 2, 9, 3), 4, torch.bfloat16),
+        (9, (2, 4, 5, 7), 4, torch.float32, 7),  # GQA, odd dims, the Qwen3.5 conv kernel
+        (1, (3, 3, 3, 6), 2, torch.bfloat16, 10),  # AR's one token, equal heads, a one-column window
+        (9, (1, 2, 9, 3), 4, torch.bfloat16, 6),
     ],
 )
-def test_deferred_commit_kernel_equals_twin(device, T, heads, K, dtype):
+def test_deferred_commit_kernel_equals_twin(device, T, heads, K, dtype, P):
     L, N = 3, 4
-    P = heads[1] * 3  # any count width: the verify's programs per row
     case = _case(L, N, T, heads, K, P, dtype, device, seed=T + K)
     want = {name: t.clone() for name, t in case.items()}
     gdn_defer_commit_triton(**case)
@@ -76,8 +75,24 @@ def test_deferred_commit_kernel_equals_twin(device, T, heads, K, dtype):
         assert torch.equal(case["stash_g"][:, r, m:], start["stash_g"][:, r, m:])
 
 
-def test_deferred_commit_refuses_mismatched_shapes():
-    case = _case(2, 2, 3, (1, 2, 3, 3), 4, 4, torch.float32, "cpu", seed=0)
-    case["stash_g"] = case["stash_g"][:, :, :2]
+def test_deferred_commit_refuses_what_the_kernel_would_misaddress():
+    """Checked before any launch (the kernel addresses the stash with the log's strides and n as a
+    contiguous vector): wrong shapes, a stash strided unlike the log, a strided n; no rows: nothing."""
+
+    def case():
+        return _case(2, 2, 3, (1, 2, 3, 3), 4, 4, torch.float32, "cpu", seed=0)
+
+    bad = case()
+    bad["stash_g"] = bad["stash_g"][:, :, :2]
     with pytest.raises(ValueError, match="shapes"):
-        gdn_defer_commit_triton(**case)
+        gdn_defer_commit_triton(**bad)
+    bad = case()
+    bad["stash_k"] = torch.zeros(2, 2, 5, 1, 3)[:, :, :3]  # rows contiguous, (layer, row) strides not the log's
+    with pytest.raises(ValueError, match="strides"):
+        gdn_defer_commit_triton(**bad)
+    bad = case()
+    bad["n"] = torch.tensor([[1, 0], [2, 0]])[:, 0]
+    with pytest.raises(ValueError, match="contiguous vector"):
+        gdn_defer_commit_triton(**bad)
+    empty = {name: t[:, :0] if t.dim() > 1 else t[:0] for name, t in case().items()}
+    gdn_defer_commit_triton(**empty)  # N = 0: returns without a launch

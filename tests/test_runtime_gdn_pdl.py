@@ -40,3 +40,21 @@ def test_pdl_changes_no_value(device, mode, stages):
     for s in states.values():
         s.flush()
     assert torch.equal(states[True].rec, states[False].rec) and torch.equal(states[True].conv, states[False].conv)
+
+
+def test_pdl_default_is_on_only_for_one_replayssm_row_on_hopper(monkeypatch):
+    """gdn_verify_triton(pdl=None): on for ReplaySSM's sequential walk of one row on a GPU of compute
+    capability ≥ 9 (where it was measured faster); off for native, the chunked walk, more rows, older GPUs
+    and CPU tensors (the interpreter)."""
+    from dflash2.runtime.kernels.gdn_verify import PDL_MAX_ROWS, _pdl_by_default
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert PDL_MAX_ROWS == 1
+    assert _pdl_by_default(cuda, 1, native=False, chunked=False)
+    assert not _pdl_by_default(cuda, 2, native=False, chunked=False)
+    assert not _pdl_by_default(cuda, 1, native=True, chunked=False)
+    assert not _pdl_by_default(cuda, 1, native=False, chunked=True)
+    assert not _pdl_by_default(torch.device("cpu"), 1, native=False, chunked=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert not _pdl_by_default(cuda, 1, native=False, chunked=False)

@@ -26,7 +26,7 @@ Three implementations of the same two steps, chosen by ``mode`` (§5.5), plus ``
 * ``"reference"``: plain PyTorch (kernels/gdn_verify/reference.py, kernels/gdn_replay/reference.py;
   a Python loop over T), the oracle the kernels are tested against; runs anywhere;
 * ``"replay"``: the Triton ReplaySSM kernels (verify fused with conv + SiLU, L2 norms and gates;
-  commit = exact fold + conv roll, *deferred* into the next verify when the logs are reserved: below);
+  commit = exact fold + conv roll; with reserved logs the fold is *deferred* into the next verify: below);
 * ``"native"``: the native-rollback ablation: the verify kernel stores the full state after every
   position and the commit copies row r's state at n[r]. Forwards longer than ``native_max_tokens``
   (prefill) log for a fold instead: T full states of a long prompt would not fit.
@@ -230,7 +230,8 @@ class GDNState:
         return self.mode == "replay" and self.defer and T in self._static
 
     def flush(self) -> None:
-        """Materialise ``conv`` / ``rec``: fold a pending (deferred) commit now, with the commit kernel.
+        """Materialise ``rec``: fold a pending (deferred) commit now, with the commit kernel (``conv`` was
+        rolled by the deferred commit itself).
 
         Bit for bit what the next verify would have folded (the same operations on the same values).
         A no-op without a pending commit, and idempotent: the counts are zeroed. Call it before reading
@@ -322,8 +323,9 @@ class GDNState:
     def commit(self, n: torch.Tensor, defer: bool = True) -> None:
         """Fold n[r] tokens of the last verify into row r of every layer; n (N,) long in [0, T].
 
-        In replay mode with the reserved logs of a T-token verify the fold is deferred: n is recorded
-        (one copy into the pending counts of all layers) and the next T-token verify folds it, or
+        In replay mode with the reserved logs of a T-token verify the fold is deferred: one kernel for all
+        layers records n in the pending counts, rolls the conv windows and copies the n tokens' k / g to
+        the stash (gdn_defer_commit_triton), and the next T-token verify folds the recurrent state, or
         :meth:`flush`. ``defer=False`` folds at once whatever the logs (a prefill: the first decode
         verify, possibly a captured graph, may have another block length and could not fold it)."""
         if any(log is None for log in self.logs):

@@ -72,9 +72,10 @@ class PendingFold:
 
     n: (N, P) int32, the tokens to fold per row, once per program of the verify's recurrence kernel
     (all P equal within a row; each program zeroes its own after folding, so the counts say what is
-    still pending). k: (N, T, Hk, d_k) and g: (N, T, H) fp32, a stash the verify's prep kernel copies
-    the pending tokens' logged k and g to before it overwrites them with the new block's (the fold
-    reads them after that, from many programs). The log itself is the verify's ``out``.
+    still pending). k: (N, T, Hk, d_k) and g: (N, T, H) fp32, the layer's stash of the pending tokens'
+    logged k and g, copied there by the deferred commit kernel (gdn_replay/defer_kernel.py), which
+    also rolled the conv window: the verify folds only the recurrent state, reading these and the
+    log's u. The log itself is the verify's ``out``.
     """
 
     n: torch.Tensor

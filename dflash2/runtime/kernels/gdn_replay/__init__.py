@@ -1,7 +1,9 @@
 """GDN commit: fold n[r] verified tokens into row r's states (ReplaySSM) or keep the stored one (native).
 
 :func:`gdn_replay_triton` (Triton, kernel.py) updates the states in place; its plain-PyTorch
-twin :func:`~.reference.gdn_replay` returns the new states. docs/ARCHITECTURE.md §5.5.
+twin :func:`~.reference.gdn_replay` returns the new states. :func:`gdn_defer_commit_triton`
+(defer_kernel.py, twin :func:`~.reference.gdn_defer_commit`) is ReplaySSM's deferred commit: everything
+but the fold, for all layers in one launch. docs/ARCHITECTURE.md §5.5.
 """
 
 from __future__ import annotations
@@ -105,13 +107,18 @@ def gdn_defer_commit_triton(
             f"shapes: n {tuple(n.shape)}, pend {tuple(pend.shape)}, conv {tuple(conv.shape)}, x {tuple(x.shape)}, "
             f"k {tuple(k.shape)}, g {tuple(g.shape)}, stash {tuple(stash_k.shape)} / {tuple(stash_g.shape)}"
         )
+    if L == 0 or N == 0:
+        return
     for name, t in dict(pend=pend, conv=conv, x=x, k=k, g=g, stash_k=stash_k, stash_g=stash_g).items():
         if not t[0, 0].is_contiguous():
             raise ValueError(f"{name} must be contiguous below its (layer, row) dims")
+    # the kernel addresses the stash with the log's (layer, row) strides, and n as a contiguous vector
+    if stash_k.stride()[:2] != k.stride()[:2] or stash_g.stride()[:2] != g.stride()[:2]:
+        raise ValueError("stash_k / stash_g must have the (layer, row) strides of k / g")
+    if n.stride(0) != 1 or n.device != conv.device:
+        raise ValueError(f"n must be a contiguous vector on {conv.device}, got stride {n.stride(0)} on {n.device}")
     from dflash2.runtime.kernels.gdn_replay.defer_kernel import launch_defer
     from dflash2.runtime.kernels.triton_util import check_device
 
     check_device(conv, pend)
-    if L == 0 or N == 0:
-        return
     launch_defer(n, pend, conv, x, k, g, stash_k, stash_g)

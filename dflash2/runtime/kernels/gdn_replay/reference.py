@@ -6,7 +6,8 @@ values, so the folded state is the one decoding the n tokens one by one reaches 
 already holds β(v − hᵀk) for the state before token t, which verify computed
 sequentially). Native rollback: the state verify stored after token n[r]. Either way
 the conv window becomes the last K-1 columns of [old window | x_1..x_n]. Rows with
-n[r] = 0 keep both states. docs/ARCHITECTURE.md §5.3, §5.5.
+n[r] = 0 keep both states. Also the twin of the deferred commit (:func:`gdn_defer_commit`:
+the window roll and the stash copy, no fold). docs/ARCHITECTURE.md §5.3, §5.5.
 
 Shapes: N rows, T block tokens, C conv channels, K conv kernel, Hk key heads, H value heads.
 """

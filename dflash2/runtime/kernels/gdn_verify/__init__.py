@@ -62,10 +62,10 @@ def gdn_verify_triton(
         still holds (same T), and which gdn_defer_commit_triton has applied to everything but the
         recurrent state: the conv window is rolled and the pending tokens' k / g are in fold.k / fold.g.
         Before verifying, those first fold.n[r] tokens (fold.k, fold.g, out.u) are folded into row r's
-        rec_state *in place* — bit for bit what gdn_replay_triton(conv_state, rec_state, out, n) would
-        leave there — and the new block is verified from there; the counts are zeroed (a second call
-        folds nothing). fold.n must have recur_programs(H, d_v, block_v) columns (the recurrence
-        kernel's programs per row).
+        rec_state *in place* — bit for bit what gdn_replay_triton(conv_state, rec_state, log, n,
+        roll_conv=False) leaves for a log of those k / g and out.u — and the new block is verified from
+        there; the counts are zeroed (a second call folds nothing). fold.n must have
+        recur_programs(H, d_v, block_v) columns (the recurrence kernel's programs per row).
         block_v / block_t / num_warps / prep_warps: tile width over d_v, tokens per chunk, warps per
         recurrence / prep program. stages: the recurrence's token loops prefetch by hand two tokens ahead
         (0, native's default) or go through Triton's software pipeline of that many stages (ReplaySSM's
@@ -187,7 +187,7 @@ def gdn_verify_triton(
         block_t=bt,
         stages=stages,
         split_out=bool(split_out) and stages > 0,
-        pdl=(_pdl_by_default(x.device, N, native, chunked) if pdl is None else bool(pdl)) and x.is_cuda,
+        pdl=(_pdl_by_default(x.device, N, native, chunked and T > 1) if pdl is None else bool(pdl)) and x.is_cuda,
         # one token: the sequential walk is the cheaper one
         chunked=(
             dict(
@@ -212,7 +212,10 @@ def _pdl_by_default(device: torch.device, rows: int, native: bool, chunked: bool
     (CUDA, compute capability ≥ 9); the interpreter (CPU tensors) has no grid dependency control."""
     if native or chunked or rows > PDL_MAX_ROWS or device.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    import triton.language as tl
+
+    # older Triton (the package allows 3.0 on) has no grid dependency control
+    return torch.cuda.get_device_capability(device)[0] >= 9 and hasattr(tl.extra.cuda, "gdc_wait")
 
 
 _NO_PENDING: dict[tuple, torch.Tensor] = {}
@@ -223,8 +226,9 @@ def _no_fold(N: int, programs: int, k: torch.Tensor, g: torch.Tensor) -> Pending
 
     Counts (N, programs) int32 zeros, kept per (device, shape) so that CUDA graphs capture a fixed
     address; no kernel writes a zero count (a program stores 0 only after folding n > 0). k / g stand
-    in for the stash: with n = 0 every stash load and store is masked off, and they are large enough
-    for the loads the recurrence kernel issues before it reads n (kernel.py)."""
+    in for the stash: with n = 0 nothing is folded; they are large enough for the two rows the hand-prefetch
+    loop loads before it reads n (kernel.py), values it never uses (with pdl those loads may even overlap the
+    prep kernel's writes of these very tensors: harmless, as they are discarded)."""
     key = (k.device, N, programs)
     zeros = _NO_PENDING.get(key)
     if zeros is None:

@@ -4,7 +4,7 @@
 grid (d_v / BV, N·H). A program owns BV value columns of one (row, value head), a whole number M of
 the sequential kernel's block_v-wide slices (BV = chunk_block_v, default block_v: M = 1, the
 sequential grid), so the deferred commit's pending counts keep their layout (one per block_v slice;
-all equal within a row, which the prep kernel already relies on). A program
+all equal within a row, as the deferred commit kernel writes them). A program
 
 1. reads its first slice's pending count n and, if n > 0, folds the pending tokens into its state
    tile exactly as gdn_recur_kernel does (the same ``_fold_rows`` / ``_fold_token``, same order: bit
@@ -134,7 +134,7 @@ def gdn_recur_chunk_kernel(
     o,  # (N, T, H, DV) out, model dtype, contiguous
     log_u,  # (N, T, H, DV) fp32 out; holds the pending tokens' u until overwritten
     pend,  # (N, P) int32 pending counts, P = H·NV (column i_h·NV + j for block_v slice j of head i_h)
-    stash_k,  # (N, T, HK, DK) fp32: the pending tokens' k, from gdn_prep_kernel
+    stash_k,  # (N, T, HK, DK) fp32: the pending tokens' k, copied there by the deferred commit
     stash_g,  # (N, T, H) fp32: their g
     T,
     stride_rn,

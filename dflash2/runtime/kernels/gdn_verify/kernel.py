@@ -75,8 +75,8 @@ def gdn_prep_kernel(
     PDL: tl.constexpr,  # the recurrence is launched as a programmatic dependent: let it start now
 ):
     if PDL:
-        # the recurrence kernel may launch once every prep program has passed here; it reads nothing this
-        # kernel writes before its gdc_wait, which waits for this whole grid to finish and flush
+        # the recurrence kernel may launch once every prep program has passed here; before its gdc_wait
+        # (which waits for this whole grid to finish and flush) it uses nothing this kernel writes
         tl.extra.cuda.gdc_launch_dependents()
     i_n = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)  # 0..HK-1: q head j; HK..2·HK-1: k head j-HK; then v head j-2·HK
