@@ -10,15 +10,10 @@ the commit must not move bytes it need not). Interpreted on the CPU, compiled on
 
 import pytest
 import torch
+from test_runtime_gdn_kernels import DEVICES
 
 from dflash2.runtime.kernels.gdn_replay import gdn_defer_commit_triton
 from dflash2.runtime.kernels.gdn_replay.reference import gdn_defer_commit, roll_window
-from dflash2.runtime.kernels.triton_util import interpreting
-
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not interpreting(), reason="CPU tensors need TRITON_INTERPRET=1")),
-    pytest.param("cuda", marks=pytest.mark.cuda),
-]
 
 
 def _case(L, N, T, heads, K, P, dtype, device, seed):
