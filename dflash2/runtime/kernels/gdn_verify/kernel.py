@@ -255,7 +255,8 @@ def gdn_recur_kernel(
             if n > 0:
                 # two tokens per iteration, then the odd one out: the same updates in the same order, the loop's
                 # per-iteration cost shared (H200, 9B shape, batch 1, all 16 of 16 pending: 17.1 -> 16.0 µs per
-                # layer; docs/BENCHMARKS.md stop 20)
+                # layer; docs/BENCHMARKS.md stop 20). By four it was slower (17.1), and so was folding the last
+                # pending tokens inside the block loop's first iteration (stop 21)
                 for t in tl.range(0, n - 1, 2, num_stages=STAGES):
                     fg, fk, fu = _fold_rows(
                         stash_k, stash_g, log_u, i_n, i_h, i_hk, t, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
