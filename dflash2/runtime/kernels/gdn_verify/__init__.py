@@ -13,6 +13,7 @@ import torch
 from dflash2.runtime.kernels.gdn_log import GDNLog, PendingFold, default_block_v, new_log, recur_programs
 
 PREP_TOKENS = 16  # the prep kernel's tokens per chunk (see gdn_verify_triton)
+ONE_LAUNCH_PREP_TOKENS = 4  # one_launch: tokens per prep program (one warp each; see gdn_verify_triton)
 PDL_MAX_ROWS = 1  # pdl=None turns pdl on up to this many rows (see gdn_verify_triton)
 DEFAULT_STAGES = 3  # ReplaySSM's recurrence: software-pipeline stages of its token loops (see gdn_verify_triton)
 # the chunked recurrence's warps and d_k slice (chunk_kernel.py: 85 registers, no spills, compiled offline
@@ -43,6 +44,7 @@ def gdn_verify_triton(
     stages: int | None = None,
     split_out: bool = False,
     pdl: bool | None = None,
+    one_launch: bool = False,
     chunked: bool = False,
     chunk_warps: int | None = None,
     chunk_block_v: int | None = None,
@@ -80,6 +82,12 @@ def gdn_verify_triton(
     per-token state stores it slowed, and for more rows, where it did not pay (H200, per GDN layer, 3 of 16
     tokens accepted: 9B shape batch 1 ReplaySSM 18.0 -> 15.4 µs, native 23.6 -> 26.6; batch 8 53.2 -> 53.9;
     the small pair's shape, block 8, batch 1 10.3 -> 8.7, batch 8 13.7 -> 16.2; docs/BENCHMARKS.md).
+    one_launch (sequential walk only; pdl then does not apply): prep and recurrence as one kernel whose
+    recurrence programs wait, each for its own head's prep programs, on counters in global memory
+    (one_launch.py): no kernel boundary and no grid-wide wait between them. Its prep programs take
+    ONE_LAUNCH_PREP_TOKENS tokens each (block_t overrides) with the recurrence's warps, which changes the
+    L2 norm's summation order against the two-kernel form: keep one setting for every verify of a model
+    (GDNState does), or decoding and block verifies round differently.
     All are tuning knobs (dflash2/runtime/bench_gdn.py).
 
         chunked (ReplaySSM; ignored by native, whose per-token states are the sequential walk's output):
@@ -157,7 +165,8 @@ def gdn_verify_triton(
     # token decode) and a (16, d) tile (a block) rounded the norm differently, and so did the kernels
     # with and without the fold's extra loads. Same chunk shape, same code: every token is normalised
     # and folded bit for bit as decoding does it (the exact fold); the masked rows move no bytes.
-    bt = block_t or PREP_TOKENS
+    one_launch = bool(one_launch) and not (chunked and not native)  # chunked: its own form, any T
+    bt = block_t or (ONE_LAUNCH_PREP_TOKENS if one_launch else PREP_TOKENS)
     if stages is None:
         # ReplaySSM: the pipelined loops (bit for bit the hand prefetch's results; H200, 9B shape: 25.9 ->
         # 22.9 µs per layer at batch 1, docs/BENCHMARKS.md). Native keeps the hand prefetch: at batch 64
@@ -187,7 +196,10 @@ def gdn_verify_triton(
         block_t=bt,
         stages=stages,
         split_out=bool(split_out) and stages > 0,
-        pdl=(_pdl_by_default(x.device, N, native, chunked and T > 1) if pdl is None else bool(pdl)) and x.is_cuda,
+        pdl=(_pdl_by_default(x.device, N, native, chunked and T > 1) if pdl is None else bool(pdl))
+        and x.is_cuda
+        and not one_launch,
+        one_launch=one_launch,
         # one token: the sequential walk is the cheaper one
         chunked=(
             dict(

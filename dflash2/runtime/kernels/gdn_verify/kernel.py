@@ -2,10 +2,10 @@
 
 Two kernels per verify, because the recurrence is latency-bound:
 
-1. ``gdn_prep_kernel``, grid (N, 2·Hk + H): one program per row and *head of channels* — a q
-   head, a k head or a v head (d_k or d_v conv channels) — so q, k and v are prepared by
-   different programs side by side, none of them walking the three in sequence. For all T
-   block tokens at once as (BT, ·) tiles: the depthwise causal conv over
+1. ``gdn_prep_kernel``, grid (N, 2·Hk + H, ⌈T / BT⌉): one program per row, *head of channels* — a q
+   head, a k head or a v head (d_k or d_v conv channels) — and chunk of BT tokens, so q, k and v
+   are prepared by different programs side by side, none of them walking the three in sequence.
+   For the chunk's tokens at once as (BT, ·) tiles: the depthwise causal conv over
    [conv window | x_1..x_T] + SiLU, then the L2 norm (q, k heads) or g and β from the raw
    projections (v heads), written as fp32 rows (k and g straight into the ReplaySSM log).
 2. ``gdn_recur_kernel``, grid (d_v / BV, N·H): one program keeps its (d_k × BV) tile of
@@ -80,6 +80,20 @@ def gdn_prep_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     i_n = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)  # 0..HK-1: q head j; HK..2·HK-1: k head j-HK; then v head j-2·HK
+    _prep_chunk(
+        x, conv, w, a, b, A_log, dt_bias, q_out, k_out, v_out, g_out, beta_out, x_log, T,
+        stride_xn, stride_xt, stride_cn, stride_cc, stride_an, stride_at, stride_bn, stride_bt, stride_ln,
+        stride_lt, i_n, j, tl.program_id(2) * BT, HK, H, DK, DV, KW, BC, BT, SQRT_DK, STORE_X,
+    )  # fmt: skip
+
+
+@triton.jit
+def _prep_chunk(
+    x, conv, w, a, b, A_log, dt_bias, q_out, k_out, v_out, g_out, beta_out, x_log, T,
+    stride_xn, stride_xt, stride_cn, stride_cc, stride_an, stride_at, stride_bn, stride_bt, stride_ln, stride_lt,
+    i_n, j, t0, HK, H, DK, DV, KW, BC, BT, SQRT_DK, STORE_X,
+):  # fmt: skip
+    """gdn_prep_kernel's work on tokens t0 .. t0+BT-1 of row i_n for head of channels j (its arguments)."""
     is_v = j >= 2 * HK
     i_h = j - 2 * HK  # the value head (v programs only)
     i_hk = tl.where(j < HK, j, j - HK)  # the key head (q / k programs only)
@@ -95,55 +109,54 @@ def gdn_prep_kernel(
     h_gate = tl.maximum(i_h, 0)
     neg_A = -tl.exp(tl.load(A_log + h_gate).to(tl.float32))
     dt_b = tl.load(dt_bias + h_gate).to(tl.float32)
-    for t0 in range(0, T, BT):
-        o_t = t0 + tl.arange(0, BT)
-        m_t = o_t < T
-        tok = i_n * T + o_t  # (BT,) flat token index
-        # SiLU(causal conv): token t reads columns t .. t+KW-1 of [window (KW-1) | x_0 .. x_{T-1}]
-        acc = tl.zeros([BT, BC], dtype=tl.float32)
-        for jj in tl.static_range(KW):
-            col = o_t + jj
-            in_window = col < KW - 1
-            new = tl.load(
-                x_row + (col - (KW - 1))[:, None] * stride_xt + ch[None, :],
-                mask=(~in_window & m_t)[:, None] & m_c[None, :],
-                other=0.0,
-            )
-            old = tl.load(
-                conv_row + ch[None, :] * stride_cc + col[:, None],
-                mask=in_window[:, None] & m_c[None, :],
-                other=0.0,
-            )
-            w_j = tl.load(w + ch * KW + jj, mask=m_c, other=0.0).to(tl.float32)
-            acc += w_j[None, :] * (old.to(tl.float32) + new.to(tl.float32))
-        # the reference convolves in the model dtype and applies SiLU there: round twice as it does
-        y = acc.to(x_row.dtype.element_ty).to(tl.float32)
-        y = y / (1.0 + tl.exp(-y))
-        y = y.to(x_row.dtype.element_ty).to(tl.float32)
-        if STORE_X:  # the last tap's `new` is x_t itself: the log keeps the block for the next roll
-            tl.store(xl_row + o_t[:, None] * stride_lt + ch[None, :], new, mask=m_t[:, None] & m_c[None, :])
-        m_tc = m_t[:, None] & m_c[None, :]
-        if is_v:
-            tl.store(v_out + (tok[:, None] * H + i_h) * DV + o_c[None, :], y, mask=m_tc)
-            # g = -exp(A_log) · softplus(a + dt_bias): torch's softplus (threshold 20) with an accurate
-            # log1p(e) = log(1+e) · e / ((1+e) − 1) (plain log(1+e) loses the small decays' digits)
-            z = tl.load(a + i_n * stride_an + o_t * stride_at + i_h, mask=m_t, other=0.0).to(tl.float32) + dt_b
-            e = tl.exp(tl.minimum(z, 20.0))  # clamped: no inf / nan in the branch tl.where drops
-            one_e = 1.0 + e
-            soft = tl.log(one_e) * (e / tl.where(one_e == 1.0, 1.0, one_e - 1.0))
-            g = neg_A * tl.where(z > 20.0, z, tl.where(one_e == 1.0, e, soft))
-            tl.store(g_out + tok * H + i_h, g, mask=m_t)
-            # β = sigmoid(b) rounded to the model dtype, as the reference computes it there
-            b_t = tl.load(b + i_n * stride_bn + o_t * stride_bt + i_h, mask=m_t, other=0.0).to(tl.float32)
-            beta = (1.0 / (1.0 + tl.exp(-b_t))).to(b.dtype.element_ty).to(tl.float32)
-            tl.store(beta_out + tok * H + i_h, beta, mask=m_t)
+    o_t = t0 + tl.arange(0, BT)
+    m_t = o_t < T
+    tok = i_n * T + o_t  # (BT,) flat token index
+    # SiLU(causal conv): token t reads columns t .. t+KW-1 of [window (KW-1) | x_0 .. x_{T-1}]
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for jj in tl.static_range(KW):
+        col = o_t + jj
+        in_window = col < KW - 1
+        new = tl.load(
+            x_row + (col - (KW - 1))[:, None] * stride_xt + ch[None, :],
+            mask=(~in_window & m_t)[:, None] & m_c[None, :],
+            other=0.0,
+        )
+        old = tl.load(
+            conv_row + ch[None, :] * stride_cc + col[:, None],
+            mask=in_window[:, None] & m_c[None, :],
+            other=0.0,
+        )
+        w_j = tl.load(w + ch * KW + jj, mask=m_c, other=0.0).to(tl.float32)
+        acc += w_j[None, :] * (old.to(tl.float32) + new.to(tl.float32))
+    # the reference convolves in the model dtype and applies SiLU there: round twice as it does
+    y = acc.to(x_row.dtype.element_ty).to(tl.float32)
+    y = y / (1.0 + tl.exp(-y))
+    y = y.to(x_row.dtype.element_ty).to(tl.float32)
+    if STORE_X:  # the last tap's `new` is x_t itself: the log keeps the block for the next roll
+        tl.store(xl_row + o_t[:, None] * stride_lt + ch[None, :], new, mask=m_t[:, None] & m_c[None, :])
+    m_tc = m_t[:, None] & m_c[None, :]
+    if is_v:
+        tl.store(v_out + (tok[:, None] * H + i_h) * DV + o_c[None, :], y, mask=m_tc)
+        # g = -exp(A_log) · softplus(a + dt_bias): torch's softplus (threshold 20) with an accurate
+        # log1p(e) = log(1+e) · e / ((1+e) − 1) (plain log(1+e) loses the small decays' digits)
+        z = tl.load(a + i_n * stride_an + o_t * stride_at + i_h, mask=m_t, other=0.0).to(tl.float32) + dt_b
+        e = tl.exp(tl.minimum(z, 20.0))  # clamped: no inf / nan in the branch tl.where drops
+        one_e = 1.0 + e
+        soft = tl.log(one_e) * (e / tl.where(one_e == 1.0, 1.0, one_e - 1.0))
+        g = neg_A * tl.where(z > 20.0, z, tl.where(one_e == 1.0, e, soft))
+        tl.store(g_out + tok * H + i_h, g, mask=m_t)
+        # β = sigmoid(b) rounded to the model dtype, as the reference computes it there
+        b_t = tl.load(b + i_n * stride_bn + o_t * stride_bt + i_h, mask=m_t, other=0.0).to(tl.float32)
+        beta = (1.0 / (1.0 + tl.exp(-b_t))).to(b.dtype.element_ty).to(tl.float32)
+        tl.store(beta_out + tok * H + i_h, beta, mask=m_t)
+    else:
+        y = y * tl.math.rsqrt(tl.sum(y * y, 1) + 1e-6)[:, None]
+        p_qk = (tok[:, None] * HK + i_hk) * DK + o_c[None, :]
+        if j < HK:
+            tl.store(q_out + p_qk, y / SQRT_DK, mask=m_tc)
         else:
-            y = y * tl.math.rsqrt(tl.sum(y * y, 1) + 1e-6)[:, None]
-            p_qk = (tok[:, None] * HK + i_hk) * DK + o_c[None, :]
-            if j < HK:
-                tl.store(q_out + p_qk, y / SQRT_DK, mask=m_tc)
-            else:
-                tl.store(k_out + p_qk, y, mask=m_tc)
+            tl.store(k_out + p_qk, y, mask=m_tc)
 
 
 @triton.jit
@@ -232,8 +245,38 @@ def gdn_recur_kernel(
     PDL: tl.constexpr,  # launched as a programmatic dependent of the prep kernel: gdc_wait before its outputs
     # (the fold reads only the stash and its own u, which the prep kernel does not touch: it runs before the wait)
 ):
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
+    gdn_recur_program(
+        q_in, k_in, v_in, g_in, beta_in, rec, o, log_u, states, pend, stash_k, stash_g, T, stride_rn, stride_pn,
+        tl.program_id(0), tl.program_id(1), pend, 0, HK, H, DK, DV, BK, BV, NATIVE, FOLD, STAGES, SPLIT_OUT,
+        1 if PDL else 0,
+    )  # fmt: skip
+
+
+@triton.jit
+def _await_prep(ready, target, SYNC: tl.constexpr):
+    """Wait until the prep's outputs may be read. SYNC 0: nothing to wait for (they were written by an
+    earlier launch); 1: gdc_wait (this is the prep kernel's programmatic dependent); 2: spin until the
+    int32 counter at ``ready`` reaches ``target`` (the one-launch kernel: one_launch.py)."""
+    if SYNC == 1:
+        tl.extra.cuda.gdc_wait()
+    elif SYNC == 2:
+        # one thread polls with acquire semantics, then the barrier orders every thread's loads after it
+        # (the release side: every prep thread's stores, a barrier, then one release increment)
+        seen = tl.atomic_add(ready, 0, sem="acquire", scope="gpu")
+        while seen < target:
+            seen = tl.atomic_add(ready, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()
+
+
+@triton.jit
+def gdn_recur_program(
+    q_in, k_in, v_in, g_in, beta_in, rec, o, log_u, states, pend, stash_k, stash_g, T, stride_rn, stride_pn,
+    i_v, i_nh, ready, ready_target, HK, H, DK, DV, BK, BV, NATIVE, FOLD, STAGES, SPLIT_OUT,
+    SYNC: tl.constexpr,
+):  # fmt: skip
+    """gdn_recur_kernel's program (value slice i_v, row · head i_nh) on its arguments; SYNC (and ready,
+    ready_target) say how it waits for the prep's outputs: :func:`_await_prep`."""
+    NV = (DV + BV - 1) // BV  # value slices per head: the pending counts' columns per head
     i_n = (i_nh // H).to(tl.int64)  # int64: offsets into (N, T, H, DK, DV) outputs can pass 2^31
     i_h = i_nh % H
     i_hk = i_h // (H // HK)
@@ -250,7 +293,7 @@ def gdn_recur_kernel(
         # issues the loads of the next STAGES-1 tokens ahead (asynchronous copies into shared memory,
         # read back in the layout the step uses, so no per-token layout conversion either)
         if FOLD:
-            p_n = pend + i_n * stride_pn + i_h * tl.num_programs(0) + i_v
+            p_n = pend + i_n * stride_pn + i_h * NV + i_v
             n = tl.load(p_n)
             if n > 0:
                 # two tokens per iteration, then the odd one out: the same updates in the same order, the loop's
@@ -273,8 +316,8 @@ def gdn_recur_kernel(
                 tl.store(p_rec, h, mask=m_h)
                 tl.store(p_n, n * 0)
             tl.debug_barrier()
-        if PDL:  # the state tile is in hand and folded; everything below reads the prep's outputs
-            tl.extra.cuda.gdc_wait()
+        # the state tile is in hand and folded; everything below reads the prep's outputs
+        _await_prep(ready, ready_target, SYNC)
         for t in tl.range(0, T, num_stages=STAGES):
             q_t, k_t, v_t, g_t, beta_t = _token_rows(
                 q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, t, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
@@ -308,7 +351,7 @@ def gdn_recur_kernel(
         # count, the first two pending tokens' rows (stale rows if fewer are pending: loaded, never used)
         # and the first two block tokens' rows (the prep kernel's output; needed after the fold)
         if FOLD:
-            p_n = pend + i_n * stride_pn + i_h * tl.num_programs(0) + i_v
+            p_n = pend + i_n * stride_pn + i_h * NV + i_v
             n = tl.load(p_n)
             fg_0, fk_0, fu_0 = _fold_rows(
                 stash_k, stash_g, log_u, i_n, i_h, i_hk, 0, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
@@ -316,7 +359,7 @@ def gdn_recur_kernel(
             fg_1, fk_1, fu_1 = _fold_rows(
                 stash_k, stash_g, log_u, i_n, i_h, i_hk, 1, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
             )
-        if not PDL:  # the block's first rows in flight during the fold (with PDL they wait for the prep)
+        if SYNC == 0:  # the block's first rows in flight during the fold (else they wait for the prep)
             q_0, k_0, v_0, g_0, beta_0 = _token_rows(
                 q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, 0, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
             )
@@ -338,8 +381,8 @@ def gdn_recur_kernel(
                 tl.store(p_n, n * 0)  # consumed: a second verify without a commit folds nothing
             # the fold's reads of the old u are done in every thread before the new block's u is stored
             tl.debug_barrier()
-        if PDL:  # the fold needed nothing of the prep's; the block does
-            tl.extra.cuda.gdc_wait()
+        if SYNC != 0:  # the fold needed nothing of the prep's; the block does
+            _await_prep(ready, ready_target, SYNC)
             q_0, k_0, v_0, g_0, beta_0 = _token_rows(
                 q_in, k_in, v_in, g_in, beta_in, i_n, i_h, i_hk, 0, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
             )
@@ -406,20 +449,31 @@ def launch_verify(
     prep_warps,
     chunked=None,
     pdl=False,
+    one_launch=False,
 ):
-    """gdn_prep_kernel on grid (N, 2·Hk + H), then gdn_recur_kernel on grid (d_v / BV, N·H). Tensors as in
-    the kernels (conv_weight as (C, K)); prep = (q, k, v, g, β) fp32 buffers of the prep kernel's
+    """gdn_prep_kernel on grid (N, 2·Hk + H, ⌈T / block_t⌉), then gdn_recur_kernel on grid (d_v / BV, N·H).
+    Tensors as in the kernels (conv_weight as (C, K)); prep = (q, k, v, g, β) fp32 buffers of the prep kernel's
     output shapes; x_log the log's x (written when store_x); fold = (pend, stash_k,
     stash_g), zero counts when nothing is pending; the unused output of the other mode may be any
     tensor (never touched). chunked (ReplaySSM): chunk_kernel.py's recurrence instead, a dict of
     launch_chunk_recur's chunk_block_v / block_k / num_warps (the fold's counts keep block_v's layout).
-    pdl: the recurrence launched as a programmatic dependent of the prep (gdn_verify_triton's docstring)."""
+    pdl: the recurrence launched as a programmatic dependent of the prep (gdn_verify_triton's docstring).
+    one_launch (not with chunked): both as one kernel instead, one_launch.py (pdl does not apply)."""
+    if one_launch:
+        from dflash2.runtime.kernels.gdn_verify.one_launch import launch_one_launch
+
+        launch_one_launch(
+            x, conv_state, conv_weight, rec_state, a, b, A_log, dt_bias, o, prep, log_u, states, x_log, fold,
+            num_k_heads=num_k_heads, native=native, store_x=store_x, block_v=block_v, block_t=block_t,
+            stages=stages, split_out=split_out, num_warps=num_warps,
+        )  # fmt: skip
+        return
     N, T, _ = x.shape
     H, DK, DV = rec_state.shape[1:]
     KW = conv_weight.shape[1]
     q, k, v, g, beta = prep
     pend, stash_k, stash_g = fold
-    gdn_prep_kernel[(N, 2 * num_k_heads + H)](
+    gdn_prep_kernel[(N, 2 * num_k_heads + H, triton.cdiv(T, block_t))](
         x,
         conv_state,
         conv_weight,
