@@ -54,15 +54,22 @@ def test_speculative_state_at_the_9b_shape():
 
 @pytest.mark.skipif(not interpreting(), reason="CPU tensors need TRITON_INTERPRET=1")
 def test_every_kernel_option_of_the_sweep_reaches_its_kernel(monkeypatch):
-    """The sweep's options (the recurrence tile and warps, the prep's warps) run in every Triton mode:
-    each kernel takes the ones it has (the commit kernel has no prep_warps); the chunked recurrence's
-    own knobs reach its launch."""
-    options = dict(block_v=2, num_warps=2, prep_warps=2)
-    for mode in ("replay", "replay_eager", "native"):
-        row = measure(
-            GDNShape.tiny(), 1, 2, mode, dtype=torch.float32, device="cpu", iters=1, warmup=0, kernel_options=options
-        )
-        assert row.total_us > 0 and row.kernel_options == options, mode
+    """The sweep's options (the recurrence tile and warps, the prep's warps and tokens per program, the
+    one-launch form) run in every Triton mode: each kernel takes the ones it has (the commit kernel has no
+    prep_warps); the chunked recurrence's own knobs reach its launch."""
+    from dflash2.runtime.kernels.gdn_verify import one_launch
+
+    one = []
+    launch_one = one_launch.launch_one_launch
+    monkeypatch.setattr(one_launch, "launch_one_launch", lambda *a, **kw: one.append(kw) or launch_one(*a, **kw))
+    for options in (dict(block_v=2, num_warps=2, prep_warps=2, block_t=1), dict(one_launch=True, block_t=1)):
+        for mode in ("replay", "replay_eager", "native"):
+            one.clear()
+            kw = dict(dtype=torch.float32, device="cpu", iters=1, warmup=0, kernel_options=options)
+            row = measure(GDNShape.tiny(), 1, 2, mode, **kw)
+            assert row.total_us > 0 and row.kernel_options == options, mode
+            # one_launch: every verify is the one kernel, with the prep's chunks of block_t tokens
+            assert bool(one) == ("one_launch" in options) and all(k["block_t"] == 1 for k in one), mode
     # the chunked recurrence's own knobs (a 2-token block: one-token verifies keep the sequential walk)
     from dflash2.runtime.kernels.gdn_verify import chunk_kernel
 

@@ -295,13 +295,15 @@ def profile_kernels(
 ) -> list[tuple[str, float, float]]:
     """GPU kernels of one verify + commit step, from torch.profiler over ``iters`` eager steps:
     (kernel name, µs per GDN layer, launches per GDN layer), longest first. What limits the step:
-    kernel time vs the graph-timed total says how much is launch and gap."""
+    kernel time vs the graph-timed total says how much is launch and gap. kw as :func:`measure`'s
+    (``kernel_options``, ``accepted``: n per row, default T)."""
     from torch.profiler import ProfilerActivity, profile
 
     device = torch.device(kw.get("device", "cuda"))
     state = _new_state(shape, N, T, mode, kw.get("dtype", torch.bfloat16), device, kw.get("kernel_options"))
     inputs = _layer_inputs(shape, N, T, kw.get("dtype", torch.bfloat16), device)
-    n = torch.full((N,), T, dtype=torch.long, device=device)
+    accepted = kw.get("accepted")
+    n = torch.full((N,), T if accepted is None else accepted, dtype=torch.long, device=device)
     for _ in range(3):
         _verify_all(state, inputs)
         state.commit(n)
@@ -320,14 +322,15 @@ def profile_kernels(
     return sorted(rows, key=lambda r: -r[1])
 
 
-# block_t only sizes the prep kernel's token chunks (one chunk at T ≤ 16): not searched. The recurrence
-# and the fold are what the tile width and warps change; the prep's warps are its own knob
+# The recurrence and the fold are what the tile width and warps change; the prep's warps and its tokens per
+# program (block_t: the prep grid has one program per chunk) are its own knobs, searched after the tile
 SWEEP = dict(block_v=(4, 8, 16, 32, 64), num_warps=(1, 2, 4, 8))
 # ReplaySSM's chunked recurrence has its own tile and warps (num_warps / block_v stay the sequential
 # walk's, which one-token verifies run, and the pending counts' layout: block_v is left to GDNState, which on
 # CUDA may narrow it at a small batch; chunk_block_v is always given here, a multiple of any block_v it picks)
 CHUNK_SWEEP = dict(chunk_block_v=(16, 32, 64, 128), chunk_warps=(1, 2, 4, 8), chunk_block_k=(16, 32))
 PREP_SWEEP = (1, 2, 4, 8)  # the prep kernel's warps, searched after the tile (it does not depend on it)
+PREP_TOKENS_SWEEP = (4, 8, 16)  # its block_t, searched with its warps
 STAGES_SWEEP = (2, 3, 4)  # the recurrence's pipelined loops (0, the hand prefetch, is the grid's own)
 
 
@@ -340,8 +343,8 @@ def _options_label(r: Row) -> str:
 
 def best_options(shape, N, T, mode, **kw) -> Row:
     """The fastest verify + commit over the SWEEP grid (ReplaySSM: and the chunked recurrence over its own
-    CHUNK_SWEEP grid), then over STAGES_SWEEP and PREP_SWEEP with the best tile (options a kernel
-    cannot compile are skipped)."""
+    CHUNK_SWEEP grid), then over STAGES_SWEEP, PREP_SWEEP × PREP_TOKENS_SWEEP and one_launch with the best
+    tile (options a kernel cannot compile are skipped)."""
     best = None
 
     def attempt(options):
@@ -368,8 +371,10 @@ def best_options(shape, N, T, mode, **kw) -> Row:
         for stages in STAGES_SWEEP:
             attempt({**tile, "stages": stages})
         tile = dict(best.kernel_options)
-        for prep in PREP_SWEEP:
-            attempt({**tile, "prep_warps": prep})
+        for prep, tokens in itertools.product(PREP_SWEEP, PREP_TOKENS_SWEEP):
+            attempt({**tile, "prep_warps": prep, "block_t": tokens})
+        if not best.kernel_options.get("chunked"):  # one kernel for the sequential walk only
+            attempt({**tile, "one_launch": True})
     return best
 
 
@@ -470,9 +475,12 @@ def main(argv=None) -> list[Row]:
             torch.cuda.empty_cache()  # native at batch 64 holds tens of GiB of per-position states
     print(report(rows, args.block))
     if args.profile and args.device != "cpu":
-        for N, mode in itertools.product(args.batch, args.modes):
-            print(f"\nkernels of one verify + commit step, batch {N}, {mode} (µs and launches per GDN layer):")
-            for name, us, count in profile_kernels(shape, N, args.block, mode, **kw):
+        for N, mode, o in itertools.product(args.batch, args.modes, args.options or [None]):
+            print(
+                f"\nkernels of one verify + commit step, batch {N}, {mode}, options {o or 'default'}"
+                " (µs and launches per GDN layer):"
+            )
+            for name, us, count in profile_kernels(shape, N, args.block, mode, kernel_options=o, **kw):
                 print(f"  {us:8.2f} µs  {count:4.1f}x  {name[:100]}")
     if args.out:
         with open(args.out, "w") as f:
