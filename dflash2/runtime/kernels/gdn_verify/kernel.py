@@ -30,7 +30,9 @@ does. The prep kernel reads the window the commit rolled and never writes it.
 
 Why not one kernel: a fused version picked token t's q/k/v/g/β out of the chunk's tiles
 with masked sums — five more cross-warp reductions per token, which made the token loop
-about three times longer than the round trip of the prepared rows through L2.
+about three times longer than the round trip of the prepared rows through L2. The two kernels' bodies
+are jit helpers (``_prep_chunk``, ``gdn_recur_program``) so that one_launch.py can run both kinds of
+program in one grid (an option, slower at batch 1 on the H200; docs/BENCHMARKS.md, stop 22).
 """
 
 import triton
