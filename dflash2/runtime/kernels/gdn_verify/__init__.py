@@ -68,8 +68,9 @@ def gdn_verify_triton(
         roll_conv=False) leaves for a log of those k / g and out.u — and the new block is verified from
         there; the counts are zeroed (a second call folds nothing). fold.n must have
         recur_programs(H, d_v, block_v) columns (the recurrence kernel's programs per row).
-        block_v / block_t / num_warps / prep_warps: tile width over d_v, tokens per chunk, warps per
-        recurrence / prep program. stages: the recurrence's token loops prefetch by hand two tokens ahead
+        block_v / block_t / num_warps / prep_warps: tile width over d_v, tokens per prep program (one
+        program per chunk of block_t tokens), warps per recurrence / prep program. stages: the
+        recurrence's token loops prefetch by hand two tokens ahead
         (0, native's default) or go through Triton's software pipeline of that many stages (ReplaySSM's
         default, DEFAULT_STAGES); the arithmetic, and so the rounding, is the same. split_out (with
         stages ≥ 1): o_t = hᵀq + (k·q) u_t, whose d_k sum no longer waits for u_t (outputs round
@@ -87,7 +88,9 @@ def gdn_verify_triton(
     (one_launch.py): no kernel boundary and no grid-wide wait between them. Its prep programs take
     ONE_LAUNCH_PREP_TOKENS tokens each (block_t overrides) with the recurrence's warps, which changes the
     L2 norm's summation order against the two-kernel form: keep one setting for every verify of a model
-    (GDNState does), or decoding and block verifies round differently.
+    (GDNState does), or decoding and block verifies round differently. Off by default: on the H200 at the
+    9B shape it was slower at batch 1 (ReplaySSM 0.6–1.1 µs, native ~5 µs per layer) and, in one run,
+    faster for ReplaySSM at batch 8 (50.1 against 53.0 µs; docs/BENCHMARKS.md, stop 22).
     All are tuning knobs (dflash2/runtime/bench_gdn.py).
 
         chunked (ReplaySSM; ignored by native, whose per-token states are the sequential walk's output):
