@@ -209,9 +209,16 @@ def test_bf16_block_verify_equals_single_token_decoding(device, T, heads):
     that T single-token steps (verify(1) + commit(1)) emit, and committing all T tokens then leaves bit for
     bit the decoded states. (bf16 rounds the conv output, SiLU and β: a different reduction order anywhere
     in the prep or the walk would show here as a one-ulp difference.)"""
-    N = 2
-    case = make_case(N, T, heads, dtype=torch.bfloat16, device=device, seed=30 + T)
-    block, single = _gdn_state(case, "replay"), _gdn_state(case, "replay")
+    case = make_case(2, T, heads, dtype=torch.bfloat16, device=device, seed=30 + T)
+    assert_block_verify_equals_single_token_decoding(case)
+
+
+def assert_block_verify_equals_single_token_decoding(case, **state_kw):
+    """The case's T-token verify + commit of all T tokens (reserved logs, deferred commit) against T
+    single-token steps (verify(1) + commit(1)), both ReplaySSM states built with ``state_kw``: the bf16
+    outputs and the committed states bit for bit."""
+    (N, T), device = case["x"].shape[:2], case["x"].device
+    block, single = _gdn_state(case, "replay", **state_kw), _gdn_state(case, "replay", **state_kw)
     block.reserve(T)
     single.reserve(1)
     o_block = block.verify(0, *_inputs(case))

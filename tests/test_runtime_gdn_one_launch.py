@@ -14,7 +14,17 @@ side by side and the recurrence programs spin."""
 
 import pytest
 import torch
-from test_runtime_gdn_kernels import DEVICES, F32, GQA, GQA_CPU, _gdn_state, _inputs, _steps, make_case, per_device
+from test_runtime_gdn_kernels import (
+    DEVICES,
+    F32,
+    GQA,
+    GQA_CPU,
+    _gdn_state,
+    _steps,
+    assert_block_verify_equals_single_token_decoding,
+    make_case,
+    per_device,
+)
 
 from dflash2.runtime.kernels.gdn_verify import gdn_verify_triton
 
@@ -69,22 +79,8 @@ def test_one_launch_matches_the_two_kernels(device, mode, heads, T, N):
 def test_one_launch_block_verify_equals_single_token_decoding(device, T, heads):
     """test_bf16_block_verify_equals_single_token_decoding (test_runtime_gdn_kernels.py) with one_launch on
     in both: the block's bf16 outputs and the committed states bit for bit those of T single-token steps."""
-    N = 2
-    case = make_case(N, T, heads, dtype=torch.bfloat16, device=device, seed=130 + T)
-    options = dict(kernel_options=dict(one_launch=True))
-    block, single = _gdn_state(case, "replay", **options), _gdn_state(case, "replay", **options)
-    block.reserve(T)
-    single.reserve(1)
-    o_block = block.verify(0, *_inputs(case))
-    block.commit(torch.full((N,), T, device=device))
-    block.flush()
-    o_steps = []
-    for t in range(T):
-        o_steps.append(single.verify(0, *_inputs(case, t)))
-        single.commit(torch.ones(N, dtype=torch.long, device=device))
-    single.flush()
-    assert torch.equal(o_block, torch.cat(o_steps, dim=1))
-    assert torch.equal(block.rec, single.rec) and torch.equal(block.conv, single.conv)
+    case = make_case(2, T, heads, dtype=torch.bfloat16, device=device, seed=130 + T)
+    assert_block_verify_equals_single_token_decoding(case, kernel_options=dict(one_launch=True))
 
 
 @pytest.mark.parametrize("device", DEVICES)
