@@ -3,9 +3,10 @@
 kernel.py's two kernels, fused by role rather than by code: the programs holding the first ``n_prep``
 tickets (below; one per row, head of channels and chunk of BT tokens) run :func:`_prep_chunk` and
 announce their rows; the others run :func:`gdn_recur_program`, each waiting only for the prep programs
-of its own (row, value head) instead of for the whole prep grid. What the two-kernel form pays at one row and this one does not: the kernel
-boundary (the prep grid's drain, the recurrence's launch) and the grid-wide wait, and the fold of a
-pending commit starts with the launch instead of when the dependent launch does.
+of its own (row, value head) instead of for the whole prep grid. What the two-kernel form pays at one
+row and this one does not: the kernel boundary (the prep grid's drain, the recurrence's launch) and the
+grid-wide wait, and the fold of a pending commit starts with the launch instead of when the dependent
+launch does.
 
 The synchronisation, in an int32 buffer ``sync`` that is all zeros between launches:
 
