@@ -215,3 +215,44 @@ def test_cuda_odd_shapes(dtype, name):
         assert torch.equal(skinny_linear(x[:M], w, b, **opts), full[:M])
     assert torch.equal(skinny_linear(x[7:8], w, b, **opts)[0], full[7])
     assert torch.equal(skinny_linear(x, w, b, **opts)[:16], full)
+
+
+def test_counters_grow_without_freeing_the_outgrown_buffer():
+    """A larger grid gets a larger counter buffer; the smaller one stays referenced (a CUDA graph captured
+    while it was current still points at it), and a buffer large enough is reused."""
+    from dflash2.runtime.kernels import skinny_gemm as mod
+
+    dev, key = torch.device("cpu"), ("cpu", None)
+    before = mod._COUNTERS.pop(key, None)
+    try:
+        small = mod._counters(dev, 10)
+        assert small.numel() >= 10 and not small.any()
+        assert mod._counters(dev, small.numel()) is small
+        big = mod._counters(dev, small.numel() + 1)
+        assert big.numel() > small.numel() and not big.any()
+        assert mod._counters(dev, 5) is big
+        assert any(b is small for b in mod._OUTGROWN)
+    finally:
+        mod._COUNTERS.pop(key, None)
+        if before is not None:
+            mod._COUNTERS[key] = before
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_counters_grown_inside_a_capture_belong_to_that_graph():
+    """Inside a capture a too-small cached buffer is not replaced (eager calls keep theirs); the graph gets
+    its own, zeroed at every replay."""
+    from dflash2.runtime.kernels import skinny_gemm as mod
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cached = mod._counters(dev, 1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        own = mod._counters(dev, cached.numel() + 1)
+    assert mod._counters(dev, 1) is cached
+    assert own is not cached and own.numel() > cached.numel()
+    own.fill_(7)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not own.any()

@@ -278,17 +278,29 @@ def _dot_mode(dtype: torch.dtype) -> int:
 
 
 _COUNTERS: dict = {}
+# counters a larger grid outgrew, kept alive: a CUDA graph captured while one was current still points at it,
+# and freed memory would be handed to other tensors whose bytes the graph's kernels would then count in
+_OUTGROWN: list = []
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """The fused reduction's arrival counters: int32 zeros, reset by the kernel itself after each use.
-    Cached per device (grown when a larger grid needs more; warm up before capturing a CUDA graph)."""
+    """The fused reduction's arrival counters: at least n int32 zeros, reset by the kernel itself after each use.
+
+    Cached per device and grown when a larger grid needs more; the one it replaces stays allocated (_OUTGROWN).
+    Inside a CUDA graph capture a buffer too small is not replaced: the capture gets a buffer of its own from
+    its private pool, zeroed by a memset that every replay of that graph repeats (never cached: outside the
+    graph those zeros would not exist)."""
     key = (device.type, device.index)
     buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
+    if buf is not None and buf.numel() >= n:
+        return buf
+    fresh = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return fresh
+    if buf is not None:
+        _OUTGROWN.append(buf)
+    _COUNTERS[key] = fresh
+    return fresh
 
 
 # ----------------------------------------------------------------------------- entry points
