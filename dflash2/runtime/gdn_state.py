@@ -113,11 +113,11 @@ class GDNState:
     per forward and keeps that layer's log until ``commit(n)`` consumes all of them (in replay mode
     with reserved logs the commit is deferred into the next verify: module docstring, :meth:`flush`).
     mode: 'reference' | 'replay' | 'native', or 'auto' (by the device: module docstring); kernel_options: block_v /
-    block_t / num_warps / prep_warps / stages / split_out / pdl / chunked / chunk_warps / chunk_block_v / chunk_block_k,
-    gdn_verify_triton's keywords (tuning; ``chunked=True``: ReplaySSM's verify computes the block with matrix
-    products instead of a serial walk, equal to fp32 rounding, §5.5, the chunk_* knobs its tile and warps;
-    the commit kernel takes only block_v / num_warps; block_v left out on CUDA = :func:`occupancy_block_v` at this
-    batch size and the GPU's SM count, resolved here into kernel_options); defer: whether replay mode defers
+    block_t / num_warps / prep_warps / stages / split_out / fma / pdl / chunked / chunk_warps / chunk_block_v /
+    chunk_block_k, gdn_verify_triton's keywords (tuning; ``chunked=True``: ReplaySSM's verify computes the block
+    with matrix products instead of a serial walk, equal to fp32 rounding, §5.5, the chunk_* knobs its tile and warps;
+    the commit kernel takes only block_v / num_warps / fma; block_v left out on CUDA = :func:`occupancy_block_v` at
+    this batch size and the GPU's SM count, resolved here into kernel_options); defer: whether replay mode defers
     commits of reserved logs (default True; False commits with the fold kernel at once, the layout
     before the deferred commit, for comparisons).
     """
@@ -222,8 +222,9 @@ class GDNState:
         self._deferred = None
 
     def _commit_options(self) -> dict:
-        """The kernel options the commit kernel takes (block_t and prep_warps only tune the verify)."""
-        return {k: v for k, v in self.kernel_options.items() if k in ("block_v", "num_warps")}
+        """The kernel options the commit kernel takes (block_t and prep_warps only tune the verify; fma changes how
+        the verify's walk updates the state, so the commit's fold must do the same)."""
+        return {k: v for k, v in self.kernel_options.items() if k in ("block_v", "num_warps", "fma")}
 
     def _defers(self, T: int) -> bool:
         """Whether commits of T-token verifies are deferred (and those verifies fold a pending commit)."""

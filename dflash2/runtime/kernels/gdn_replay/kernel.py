@@ -11,8 +11,9 @@ ReplaySSM folds the n logged tokens: h ← exp(g_t)·h; h ← h + k_t u_tᵀ, th
 two state updates on the same fp32 values. Both kernels are compiled without FMA
 contraction (``enable_fp_fusion=False``): otherwise the compiler may fuse differently
 where verify also reads the decayed state and replay does not, and the fold would drift
-by an ulp from what verify / decoding computed. Native rollback copies the state verify
-stored after token n.
+by an ulp from what verify / decoding computed. With ``FMA`` (the verify's ``fma`` option)
+both write the second update as an explicit fused multiply-add instead, the same one. Native
+rollback copies the state verify stored after token n.
 """
 
 import triton
@@ -56,6 +57,7 @@ def gdn_replay_kernel(
     BW: tl.constexpr,
     NATIVE: tl.constexpr,
     ROLL: tl.constexpr,  # roll the conv window too (False: a deferred commit rolled it already)
+    FMA: tl.constexpr,  # the update as one fused multiply-add (the verify kernel's FMA; see below)
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -96,7 +98,7 @@ def gdn_replay_kernel(
                     DV,
                 )
                 h = h * tl.exp(g_t)
-                h = h + k_t[:, None] * u_t[None, :]
+                h = tl.fma(k_t[:, None], u_t[None, :], h) if FMA else h + k_t[:, None] * u_t[None, :]
                 g_t, k_t, u_t = g_n, k_n, u_n
         tl.store(p_rec, h, mask=m_h)
     if ROLL & (n > 0):
@@ -126,9 +128,11 @@ def gdn_replay_kernel(
 
 
 def launch_replay(
-    conv_state, rec_state, x, log_k, log_u, log_g, states, n, *, num_k_heads, native, block_v, num_warps, roll_conv=True
-):
-    """Grid (d_v / BV, N·H); tensors as in gdn_replay_kernel; the other mode's logs may be any tensor."""
+    conv_state, rec_state, x, log_k, log_u, log_g, states, n, *, num_k_heads, native, block_v, num_warps,
+    roll_conv=True, fma=False,
+):  # fmt: skip
+    """Grid (d_v / BV, N·H); tensors as in gdn_replay_kernel; the other mode's logs may be any tensor; fma: the
+    update as the verify kernel's ``fma`` does it."""
     N, T, C = x.shape
     H, DK, DV = rec_state.shape[1:]
     KW = conv_state.shape[-1] + 1
@@ -160,6 +164,7 @@ def launch_replay(
         BW=triton.next_power_of_2(max(KW - 1, 1)),
         NATIVE=native,
         ROLL=roll_conv,
+        FMA=fma,
         num_warps=num_warps,
         enable_fp_fusion=False,
     )

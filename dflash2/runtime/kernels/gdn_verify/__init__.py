@@ -43,6 +43,7 @@ def gdn_verify_triton(
     prep_warps: int | None = None,
     stages: int | None = None,
     split_out: bool = False,
+    fma: bool = False,
     pdl: bool | None = None,
     one_launch: bool = False,
     chunked: bool = False,
@@ -74,9 +75,16 @@ def gdn_verify_triton(
         (0, native's default) or go through Triton's software pipeline of that many stages (ReplaySSM's
         default, DEFAULT_STAGES); the arithmetic, and so the rounding, is the same. split_out (with
         stages ≥ 1): o_t = hᵀq + (k·q) u_t, whose d_k sum no longer waits for u_t (outputs round
-        differently; the state and the log do not). pdl (CUDA, Hopper on; sequential walk only): the recurrence
-    kernel is launched as a programmatic dependent of the prep kernel (``launch_pdl``), so it starts while the
-    prep runs, loads its state tile, folds a pending commit, and waits (``gdc_wait``) only before its first read
+        differently; the state and the log do not).
+        fma (sequential walk and fold; off by default until the exact fold is confirmed on a GPU): the
+        recurrence's d_k sums hᵀk, hᵀq as chains of fused multiply-adds instead of a multiply and an add per
+        element, and the state update h + k uᵀ as one (kernel.py's _dot_rows, _fold_token). Written out, not
+        left to the compiler's contraction, which can round differently between specialisations of the kernel;
+        the commit kernel must fold with the same setting (GDNState passes it). Outputs round differently from
+        fma off (fp32 rounding). H200 figures: docs/BENCHMARKS.md, stop 23.
+        pdl (CUDA, Hopper on; sequential walk only): the recurrence kernel is launched as a programmatic
+    dependent of the prep kernel (``launch_pdl``), so it starts while the prep runs, loads its state tile, folds
+    a pending commit, and waits (``gdc_wait``) only before its first read
     of the prep's outputs: the kernel boundary's drain and launch, the state load and the fold overlap the prep
     (same values: nothing it reads early is written by the prep). None (the default): on for ReplaySSM's
     sequential walk at one row (PDL_MAX_ROWS) on a GPU of compute capability ≥ 9; off for native, whose
@@ -199,6 +207,7 @@ def gdn_verify_triton(
         block_t=bt,
         stages=stages,
         split_out=bool(split_out) and stages > 0,
+        fma=bool(fma),
         pdl=(_pdl_by_default(x.device, N, native, chunked and T > 1) if pdl is None else bool(pdl))
         and x.is_cuda
         and not one_launch,

@@ -95,6 +95,7 @@ def _fold_pending(
     M: tl.constexpr,
     MP: tl.constexpr,
     STAGES: tl.constexpr,
+    FMA: tl.constexpr,
 ):
     """The deferred commit on the program's (BK × BW) tile (gdn_recur_kernel's fold, same order): folded
     into ``rec``, the counts of the program's M block_v slices (at p_n, fewer past d_v) zeroed."""
@@ -107,13 +108,13 @@ def _fold_pending(
                 fg, fk, fu = _fold_rows(
                     stash_k, stash_g, log_u, i_n, i_h, i_hk, t, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
                 )
-                h = _fold_token(h, fg, fk, fu)
+                h = _fold_token(h, fg, fk, fu, FMA)
         else:
             for t in range(0, n):
                 fg, fk, fu = _fold_rows(
                     stash_k, stash_g, log_u, i_n, i_h, i_hk, t, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
                 )
-                h = _fold_token(h, fg, fk, fu)
+                h = _fold_token(h, fg, fk, fu, FMA)
         tl.store(p_rec, h, mask=m_h)  # the committed state, materialised once
         # consumed: a second verify without a commit folds nothing. The slices past d_v belong to the
         # next head's counts (M > 1 on a ragged d_v)
@@ -152,6 +153,7 @@ def gdn_recur_chunk_kernel(
     BW: tl.constexpr,  # ≥ max(BV, 16), a power of two: the tile holding them
     BT: tl.constexpr,  # tokens per chunk (CHUNK_T)
     STAGES: tl.constexpr,  # the fold loop: 0 plain, ≥ 1 tl.range's software pipeline
+    FMA: tl.constexpr,  # the fold's update as one fused multiply-add (gdn_recur_kernel's FMA)
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -187,6 +189,7 @@ def gdn_recur_chunk_kernel(
         M,
         MP,
         STAGES,
+        FMA,
     )
     # every thread's fold is stored before any thread re-reads S0 below, and the fold's reads of the
     # old u are done before the new block's u is stored
@@ -277,11 +280,13 @@ def gdn_recur_chunk_kernel(
 
 
 def launch_chunk_recur(
-    q, k, v, g, beta, rec_state, o, log_u, fold, *, num_k_heads, block_v, chunk_block_v, block_k, stages, num_warps
-):
+    q, k, v, g, beta, rec_state, o, log_u, fold, *, num_k_heads, block_v, chunk_block_v, block_k, stages, num_warps,
+    fma=False,
+):  # fmt: skip
     """gdn_recur_chunk_kernel on grid (d_v / chunk_block_v, N·H); tensors as in the kernel, fold = (pend,
     stash_k, stash_g) with the counts of block_v slices; chunk_block_v a multiple of block_v; block_k
-    the d_k slice (rounded to a power of two in [16, d_k padded])."""
+    the d_k slice (rounded to a power of two in [16, d_k padded]); fma: the fold's update as gdn_recur_kernel's
+    FMA does it."""
     N, T = o.shape[:2]
     H, DK, DV = rec_state.shape[1:]
     if chunk_block_v % block_v:
@@ -320,6 +325,7 @@ def launch_chunk_recur(
         BW=max(16, triton.next_power_of_2(chunk_block_v)),
         BT=CHUNK_T,
         STAGES=stages,
+        FMA=fma,
         num_warps=num_warps,
         enable_fp_fusion=False,  # the fold must round as the commit kernel does: see gdn_replay/kernel.py
     )

@@ -186,16 +186,54 @@ def _fold_rows(stash_k, stash_g, log_u, i_n, i_h, i_hk, t, T, o_k, o_v, m_k, m_v
 
 
 @triton.jit
-def _fold_token(h, g, k, u):
-    """One pending token folded into the (BK, BV) state tile: gdn_replay_kernel's two updates, its order."""
+def _fold_token(h, g, k, u, FMA: tl.constexpr):
+    """One pending token folded into the (BK, BV) state tile: gdn_replay_kernel's two updates, its order
+    (FMA: the second as one fused multiply-add, as :func:`_verify_token` and gdn_replay_kernel then do it)."""
     h = h * tl.exp(g)
-    return h + k[:, None] * u[None, :]
+    if FMA:
+        return tl.fma(k[:, None], u[None, :], h)
+    else:
+        return h + k[:, None] * u[None, :]
+
+
+@triton.jit
+def _fma_pair(ax, ay, bx, by):
+    """tl.reduce's combine for :func:`_dot_rows`. (x, y) stands for x·y: a product still to be taken (a leaf,
+    y = the vector's element) or a partial sum (y = 1). A partial sum takes the other side's product in one
+    fused multiply-add; two leaves are multiplied and added. The result is (s, 1).
+
+    It must be commutative bit for bit: in the butterfly over a warp's lanes, lane A computes
+    combine(A, B) and lane B combine(B, A), and each goes on with its own copy of the sum. With
+    fma(b.x, b.y, a.x·a.y) for two leaves (a thread holding one element along d_k, as small tiles do) the
+    two copies can differ in the last bit, and then the u one lane logs is not the u another lane folds into
+    its rows of the state: the exact fold breaks. A leaf whose y is exactly 1 is its own partial sum
+    (x·1 = x), so testing y == 1 needs no flag, and fma(x, 1, s) = x + s keeps the cases consistent. After a
+    thread's first element its running sum's y is the constant 1, so the selects fold away and the in-thread
+    chain is one fma per element."""
+    one = tl.full([], 1.0, tl.float32)
+    s = tl.where(ay == 1.0, tl.fma(bx, by, ax), tl.where(by == 1.0, tl.fma(ax, ay, bx), ax * ay + bx * by))
+    return s, one
+
+
+@triton.jit
+def _dot_rows(h, w, FMA: tl.constexpr):
+    """Σ_r h[r, :]·w[r] of a (BK, BV) tile and a (BK,) vector -> (BV,). FMA: each product taken into the
+    running sum by a fused multiply-add (one instruction and one rounding per element instead of a multiply
+    and an add), written out as a reduction whose combine is that fma (:func:`_fma_pair`), so the compiler
+    has no contraction to decide and every specialisation of the kernel rounds alike; else tl.sum of the
+    products."""
+    if FMA:
+        s, _ = tl.reduce((h, tl.broadcast_to(w[:, None], h.shape)), 0, _fma_pair)
+        return s
+    else:
+        return tl.sum(h * w[:, None], 0)
 
 
 @triton.jit
 def _verify_token(
-    h, q, k, v, g, beta, t, i_n, i_h, T, o, log_u, states, o_k, o_v, m_v, m_h, H, DK, DV, NATIVE, SPLIT_OUT
-):
+    h, q, k, v, g, beta, t, i_n, i_h, T, o, log_u, states, o_k, o_v, m_v, m_h, H, DK, DV, NATIVE, SPLIT_OUT,
+    FMA,
+):  # fmt: skip
     """Block token t of one (row, head, value slice): the recurrence in single-token decode order, its
     output stored and its u logged (ReplaySSM) or the state after it stored (native); returns h."""
     h = h * tl.exp(g)
@@ -203,11 +241,11 @@ def _verify_token(
         # o_t = (h + k uᵀ)ᵀq = hᵀq + (k·q) u: hᵀq no longer waits for u, so its sum over d_k runs beside
         # hᵀk's instead of after it (one dependent chain per token instead of two; o rounds differently,
         # the state and the log do not)
-        hq = tl.sum(h * q[:, None], 0)
+        hq = _dot_rows(h, q, FMA)
         kq = tl.sum(k * q, 0)
-    u = (v - tl.sum(h * k[:, None], 0)) * beta
-    h = h + k[:, None] * u[None, :]
-    out = hq + kq * u if SPLIT_OUT else tl.sum(h * q[:, None], 0)
+    u = (v - _dot_rows(h, k, FMA)) * beta
+    h = tl.fma(k[:, None], u[None, :], h) if FMA else h + k[:, None] * u[None, :]  # _fold_token's, bit for bit
+    out = hq + kq * u if SPLIT_OUT else _dot_rows(h, q, FMA)
     tok = i_n * T + t
     tl.store(o + (tok * H + i_h) * DV + o_v, out.to(o.dtype.element_ty), mask=m_v)
     if NATIVE:
@@ -244,13 +282,14 @@ def gdn_recur_kernel(
     FOLD: tl.constexpr,
     STAGES: tl.constexpr,  # 0: rows prefetched two tokens ahead by hand; ≥ 1: tl.range's software pipeline
     SPLIT_OUT: tl.constexpr,  # (STAGES ≥ 1) o_t = hᵀq + (k·q) u_t: see the loop
+    FMA: tl.constexpr,  # fused multiply-adds: the d_k sums (_dot_rows) and the state update (_fold_token)
     PDL: tl.constexpr,  # launched as a programmatic dependent of the prep kernel: gdc_wait before its outputs
     # (the fold reads only the stash and its own u, which the prep kernel does not touch: it runs before the wait)
 ):
     gdn_recur_program(
         q_in, k_in, v_in, g_in, beta_in, rec, o, log_u, states, pend, stash_k, stash_g, T, stride_rn, stride_pn,
         tl.program_id(0), tl.program_id(1), pend, 0, HK, H, DK, DV, BK, BV, NATIVE, FOLD, STAGES, SPLIT_OUT,
-        1 if PDL else 0,
+        FMA, 1 if PDL else 0,
     )  # fmt: skip
 
 
@@ -273,7 +312,7 @@ def _await_prep(ready, target, SYNC: tl.constexpr):
 @triton.jit
 def gdn_recur_program(
     q_in, k_in, v_in, g_in, beta_in, rec, o, log_u, states, pend, stash_k, stash_g, T, stride_rn, stride_pn,
-    i_v, i_nh, ready, ready_target, HK, H, DK, DV, BK, BV, NATIVE, FOLD, STAGES, SPLIT_OUT,
+    i_v, i_nh, ready, ready_target, HK, H, DK, DV, BK, BV, NATIVE, FOLD, STAGES, SPLIT_OUT, FMA,
     SYNC: tl.constexpr,
 ):  # fmt: skip
     """gdn_recur_kernel's program (value slice i_v, row · head i_nh) on its arguments; SYNC (and ready,
@@ -309,12 +348,12 @@ def gdn_recur_program(
                     fg1, fk1, fu1 = _fold_rows(
                         stash_k, stash_g, log_u, i_n, i_h, i_hk, t + 1, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
                     )
-                    h = _fold_token(_fold_token(h, fg, fk, fu), fg1, fk1, fu1)
+                    h = _fold_token(_fold_token(h, fg, fk, fu, FMA), fg1, fk1, fu1, FMA)
                 if n % 2 == 1:
                     fg, fk, fu = _fold_rows(
                         stash_k, stash_g, log_u, i_n, i_h, i_hk, n - 1, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
                     )
-                    h = _fold_token(h, fg, fk, fu)
+                    h = _fold_token(h, fg, fk, fu, FMA)
                 tl.store(p_rec, h, mask=m_h)
                 tl.store(p_n, n * 0)
             tl.debug_barrier()
@@ -347,6 +386,7 @@ def gdn_recur_program(
                 DV,
                 NATIVE,
                 SPLIT_OUT,
+                FMA,
             )
     else:
         # every load that depends on nothing is issued up front, so their latencies overlap: the pending
@@ -376,7 +416,7 @@ def gdn_recur_program(
                     fg_2, fk_2, fu_2 = _fold_rows(
                         stash_k, stash_g, log_u, i_n, i_h, i_hk, t + 2, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
                     )
-                    h = _fold_token(h, fg_0, fk_0, fu_0)
+                    h = _fold_token(h, fg_0, fk_0, fu_0, FMA)
                     fg_0, fk_0, fu_0 = fg_1, fk_1, fu_1
                     fg_1, fk_1, fu_1 = fg_2, fk_2, fu_2
                 tl.store(p_rec, h, mask=m_h)  # the committed state, materialised once
@@ -419,6 +459,7 @@ def gdn_recur_program(
                 DV,
                 NATIVE,
                 False,
+                FMA,
             )
             q_0, k_0, v_0, g_0, beta_0 = q_1, k_1, v_1, g_1, beta_1
             q_1, k_1, v_1, g_1, beta_1 = q_2, k_2, v_2, g_2, beta_2
@@ -449,6 +490,7 @@ def launch_verify(
     block_t,
     num_warps,
     prep_warps,
+    fma=False,
     chunked=None,
     pdl=False,
     one_launch=False,
@@ -460,6 +502,7 @@ def launch_verify(
     tensor (never touched). chunked (ReplaySSM): chunk_kernel.py's recurrence instead, a dict of
     launch_chunk_recur's chunk_block_v / block_k / num_warps (the fold's counts keep block_v's layout).
     pdl: the recurrence launched as a programmatic dependent of the prep (gdn_verify_triton's docstring).
+    fma: the recurrence's d_k sums and state update as fused multiply-adds (gdn_verify_triton's docstring).
     one_launch (not with chunked): both as one kernel instead, one_launch.py (pdl does not apply)."""
     if one_launch:
         from dflash2.runtime.kernels.gdn_verify.one_launch import launch_one_launch
@@ -467,7 +510,7 @@ def launch_verify(
         launch_one_launch(
             x, conv_state, conv_weight, rec_state, a, b, A_log, dt_bias, o, prep, log_u, states, x_log, fold,
             num_k_heads=num_k_heads, native=native, store_x=store_x, block_v=block_v, block_t=block_t,
-            stages=stages, split_out=split_out, num_warps=num_warps,
+            stages=stages, split_out=split_out, num_warps=num_warps, fma=fma,
         )  # fmt: skip
         return
     N, T, _ = x.shape
@@ -518,7 +561,7 @@ def launch_verify(
 
         launch_chunk_recur(
             q, k, v, g, beta, rec_state, o, log_u, fold,
-            num_k_heads=num_k_heads, block_v=block_v, stages=stages, **chunked,
+            num_k_heads=num_k_heads, block_v=block_v, stages=stages, fma=fma, **chunked,
         )  # fmt: skip
         return
     gdn_recur_kernel[(triton.cdiv(DV, block_v), N * H)](
@@ -547,8 +590,9 @@ def launch_verify(
         FOLD=True,  # always: see gdn_verify_triton (one compiled variant)
         STAGES=stages,
         SPLIT_OUT=split_out,
+        FMA=fma,
         PDL=bool(pdl),
         num_warps=num_warps,
-        enable_fp_fusion=False,  # the fold must round as verify does: see gdn_replay/kernel.py
+        enable_fp_fusion=False,  # fused multiply-adds only where written (FMA): see _fma_pair, gdn_replay/kernel.py
         **({"launch_pdl": True} if pdl else {}),  # only asked for on CUDA (the interpreter knows no such option)
     )

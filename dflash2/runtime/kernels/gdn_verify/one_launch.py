@@ -45,7 +45,7 @@ def gdn_verify_one_launch_kernel(
     HK: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, KW: tl.constexpr,
     BC: tl.constexpr, BT: tl.constexpr, SQRT_DK: tl.constexpr, STORE_X: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NATIVE: tl.constexpr, STAGES: tl.constexpr, SPLIT_OUT: tl.constexpr,
-    BS: tl.constexpr,  # the reset's tile over sync
+    FMA: tl.constexpr, BS: tl.constexpr,  # the reset's tile over sync
 ):  # fmt: skip
     ticket = tl.atomic_add(sync, 1, sem="relaxed", scope="gpu")
     chunks = tl.cdiv(T, BT)
@@ -74,7 +74,7 @@ def gdn_verify_one_launch_kernel(
         gdn_recur_program(
             q_buf, k_buf, v_buf, g_buf, beta_buf, rec, o, log_u, states, pend, stash_k, stash_g, T, stride_rn,
             stride_pn, i_r % NV, i_nh, sync + 2 + i_nh, 3 * chunks, HK, H, DK, DV, BK, BV, NATIVE, True, STAGES,
-            SPLIT_OUT, 2,
+            SPLIT_OUT, FMA, 2,
         )  # fmt: skip
         finished = tl.atomic_add(sync + 1, 1, sem="acq_rel", scope="gpu")
         if finished == n_recur - 1:  # the last program: nobody reads the counters any more
@@ -105,7 +105,7 @@ def sync_buffer(device: torch.device, counters: int) -> torch.Tensor:
 
 def launch_one_launch(
     x, conv_state, conv_weight, rec_state, a, b, A_log, dt_bias, o, prep, log_u, states, x_log, fold,
-    *, num_k_heads, native, store_x, block_v, block_t, stages, split_out, num_warps,
+    *, num_k_heads, native, store_x, block_v, block_t, stages, split_out, num_warps, fma=False,
 ):  # fmt: skip
     """launch_verify's arguments (kernel.py), one kernel: grid n_prep + n_recur programs of num_warps warps,
     n_prep = N · (2·Hk + H) · ceil(T / block_t), n_recur = N · H · ceil(d_v / block_v)."""
@@ -125,7 +125,7 @@ def launch_one_launch(
         b.stride(0), b.stride(1), x_log.stride(0), x_log.stride(1), rec_state.stride(0), pend.stride(0),
         HK=num_k_heads, H=H, DK=DK, DV=DV, KW=KW, BC=triton.next_power_of_2(max(DK, DV)), BT=block_t,
         SQRT_DK=float(DK) ** 0.5, STORE_X=store_x, BK=triton.next_power_of_2(DK), BV=block_v, NATIVE=native,
-        STAGES=stages, SPLIT_OUT=split_out, BS=256,
+        STAGES=stages, SPLIT_OUT=split_out, FMA=fma, BS=256,
         num_warps=num_warps,
         enable_fp_fusion=False,  # both halves round as their two-kernel forms do (kernel.py)
     )  # fmt: skip
