@@ -1,8 +1,9 @@
 """The GDN recurrence's ``fma`` option: its d_k sums and its state update as fused multiply-adds
 (dflash2/runtime/kernels/gdn_verify/kernel.py: ``_dot_rows``, ``_fma_pair``, ``_fold_token``).
 
-* The sums' combine is commutative bit for bit, including two raw products and the y = 1 edge: in a
-  warp's butterfly two lanes combine the same pair in opposite order and must keep the same sum.
+* The sums' combine is commutative bit for bit in all four cases (two products, a partial sum and a product
+  either way round, two partial sums): in a warp's butterfly two lanes combine the same pair in opposite order
+  and must keep the same sum.
 * The exact fold holds with it on: verify(T) + commit(n) == n single-token steps bit for bit (u, states,
   conv), native == ReplaySSM, the eager commit and the deferred fold alike, for ragged n with 0 and T.
 * bf16 block verify + deferred commit == single-token decoding bit for bit, and the hand-prefetch loop
@@ -40,13 +41,14 @@ WIDE = (2, 4, 64, 32)  # Hk, H, d_k, d_v: several d_k rows per lane
 
 
 @triton.jit
-def _both_orders(ax, ay, bx, by, ab, ba, BN: tl.constexpr):
+def _both_orders(ax, ay, ap, bx, by, bp, ab, ba, BN: tl.constexpr):
     """_fma_pair(a, b) into ab and _fma_pair(b, a) into ba, elementwise over BN pairs."""
     o = tl.arange(0, BN)
-    a_x, a_y, b_x, b_y = tl.load(ax + o), tl.load(ay + o), tl.load(bx + o), tl.load(by + o)
-    s, one = _fma_pair(a_x, a_y, b_x, b_y)
-    r, _ = _fma_pair(b_x, b_y, a_x, a_y)
-    tl.store(ab + o, s * one)  # one is 1: the stored sum is s
+    a_x, a_y, a_p = tl.load(ax + o), tl.load(ay + o), tl.load(ap + o)
+    b_x, b_y, b_p = tl.load(bx + o), tl.load(by + o), tl.load(bp + o)
+    s, one, tag = _fma_pair(a_x, a_y, a_p, b_x, b_y, b_p)
+    r, _, _ = _fma_pair(b_x, b_y, b_p, a_x, a_y, a_p)
+    tl.store(ab + o, s * one * tag)  # one and tag are 1 (a partial sum): the stored value is s
     tl.store(ba + o, r)
 
 
@@ -55,12 +57,15 @@ def test_fma_combine_is_commutative_bit_for_bit(device):
     g = torch.Generator().manual_seed(7)
     n = 1024
     ax, ay, bx, by = (torch.randn(n, generator=g) for _ in range(4))
-    # partial sums (y = 1) against partial sums and against raw products, both ways round
-    ay[: n // 4] = 1.0
-    by[n // 8 : 3 * n // 8] = 1.0
-    ax, ay, bx, by = (t.to(device) for t in (ax, ay, bx, by))
+    # the four cases by quarters: product / product, partial sum / product, product / partial sum, sums
+    ap, bp = torch.zeros(n), torch.zeros(n)
+    ap[n // 4 : n // 2] = ap[3 * n // 4 :] = 1.0
+    bp[n // 2 :] = 1.0
+    ay[ap == 1], by[bp == 1] = 1.0, 1.0  # a partial sum carries y = 1
+    ay[: n // 8] = 1.0  # products whose y happens to be 1 stay products
+    ax, ay, ap, bx, by, bp = (t.to(device) for t in (ax, ay, ap, bx, by, bp))
     ab, ba = torch.empty(n, device=device), torch.empty(n, device=device)
-    _both_orders[(1,)](ax, ay, bx, by, ab, ba, BN=n)
+    _both_orders[(1,)](ax, ay, ap, bx, by, bp, ab, ba, BN=n)
     assert torch.equal(ab, ba)
     exact = ax.double() * ay.double() + bx.double() * by.double()
     # at most three fp32 roundings (two products, one sum), each within 2⁻²⁴ of the magnitudes involved

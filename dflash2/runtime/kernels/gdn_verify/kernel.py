@@ -197,22 +197,25 @@ def _fold_token(h, g, k, u, FMA: tl.constexpr):
 
 
 @triton.jit
-def _fma_pair(ax, ay, bx, by):
-    """tl.reduce's combine for :func:`_dot_rows`. (x, y) stands for x·y: a product still to be taken (a leaf,
-    y = the vector's element) or a partial sum (y = 1). A partial sum takes the other side's product in one
-    fused multiply-add; two leaves are multiplied and added. The result is (s, 1).
+def _fma_pair(ax, ay, ap, bx, by, bp):
+    """tl.reduce's combine for :func:`_dot_rows`. (x, y, p) is a product still to be taken, x·y (p = 0: an
+    element of the tile), or a partial sum x (y = 1, p = 1). A partial sum takes the other side's product in one
+    fused multiply-add, two partial sums add, two products are multiplied and added. The result is (s, 1, 1).
 
     It must be commutative bit for bit: in the butterfly over a warp's lanes, lane A computes
     combine(A, B) and lane B combine(B, A), and each goes on with its own copy of the sum. With
-    fma(b.x, b.y, a.x·a.y) for two leaves (a thread holding one element along d_k, as small tiles do) the
+    fma(b.x, b.y, a.x·a.y) for two products (a thread holding one element along d_k, as small tiles do) the
     two copies can differ in the last bit, and then the u one lane logs is not the u another lane folds into
-    its rows of the state: the exact fold breaks. A leaf whose y is exactly 1 is its own partial sum
-    (x·1 = x), so testing y == 1 needs no flag, and fma(x, 1, s) = x + s keeps the cases consistent. After a
-    thread's first element its running sum's y is the constant 1, so the selects fold away and the in-thread
-    chain is one fma per element."""
+    its rows of the state: the exact fold breaks. Each case above is symmetric in a and b. The tags are
+    compile-time constants (the tile's zeros, then the ones each combine returns), so the compiler keeps only
+    the branch each combine can take: a thread's first two elements cost two multiplies and an add, every
+    further element one fma, each butterfly step one add."""
+    both = ax * ay + bx * by
+    a_sum = tl.fma(bx, by, ax)
+    b_sum = tl.fma(ax, ay, bx)
+    s = tl.where(ap != 0, tl.where(bp != 0, ax + bx, a_sum), tl.where(bp != 0, b_sum, both))
     one = tl.full([], 1.0, tl.float32)
-    s = tl.where(ay == 1.0, tl.fma(bx, by, ax), tl.where(by == 1.0, tl.fma(ax, ay, bx), ax * ay + bx * by))
-    return s, one
+    return s, one, one
 
 
 @triton.jit
@@ -223,7 +226,8 @@ def _dot_rows(h, w, FMA: tl.constexpr):
     has no contraction to decide and every specialisation of the kernel rounds alike; else tl.sum of the
     products."""
     if FMA:
-        s, _ = tl.reduce((h, tl.broadcast_to(w[:, None], h.shape)), 0, _fma_pair)
+        zero = tl.zeros(h.shape, dtype=tl.float32)
+        s, _, _ = tl.reduce((h, tl.broadcast_to(w[:, None], h.shape), zero), 0, _fma_pair)
         return s
     else:
         return tl.sum(h * w[:, None], 0)
