@@ -6,8 +6,8 @@
   and must keep the same sum.
 * The exact fold holds with it on: verify(T) + commit(n) == n single-token steps bit for bit (u, states,
   conv), native == ReplaySSM, the eager commit and the deferred fold alike, for ragged n with 0 and T.
-* bf16 block verify + deferred commit == single-token decoding bit for bit, and the hand-prefetch loop
-  (stages 0) == the pipelined one (stages 3).
+* bf16 block verify + deferred commit == single-token decoding bit for bit (also through the one-launch
+  kernel), and the hand-prefetch loop (stages 0) == the pipelined one (stages 3).
 * Against fma off (and the plain-PyTorch twin): equal to fp32 rounding; the conv windows exactly.
 
 The CPU cases run in Triton's interpreter; the GPU cases (marked ``cuda``) are the ones that can fail
@@ -94,11 +94,16 @@ def test_fma_exact_fold_equals_single_token_decoding(device, T, heads):
 
 
 @pytest.mark.parametrize(
-    "device, heads, T, N", per_device(cpu=[(GQA_CPU, 3, 2)], cuda=[(GQA, 16, 4), (WIDE, 16, 4), (WIDE, 5, 3)])
+    "device, heads, T, N, one_launch",
+    per_device(
+        cpu=[(GQA_CPU, 3, 2, False), (GQA_CPU, 3, 2, True)],
+        cuda=[(GQA, 16, 4, False), (WIDE, 16, 4, False), (WIDE, 5, 3, False), (GQA, 16, 4, True)],
+    ),
 )
-def test_fma_bf16_block_verify_equals_single_token_decoding(device, heads, T, N):
+def test_fma_bf16_block_verify_equals_single_token_decoding(device, heads, T, N, one_launch):
+    """Reserved logs, deferred commit: the recurrence kernel, or the one-launch kernel (one_launch.py)."""
     case = make_case(N, T, heads, dtype=torch.bfloat16, device=device, seed=31)
-    assert_block_verify_equals_single_token_decoding(case, **FMA)
+    assert_block_verify_equals_single_token_decoding(case, kernel_options=dict(fma=True, one_launch=one_launch))
 
 
 # GPU only: the interpreter runs both loops' arithmetic alike by construction (the deferred fold with fma is
