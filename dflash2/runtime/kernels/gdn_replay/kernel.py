@@ -11,13 +11,15 @@ ReplaySSM folds the n logged tokens: h ← exp(g_t)·h; h ← h + k_t u_tᵀ, th
 two state updates on the same fp32 values. Both kernels are compiled without FMA
 contraction (``enable_fp_fusion=False``): otherwise the compiler may fuse differently
 where verify also reads the decayed state and replay does not, and the fold would drift
-by an ulp from what verify / decoding computed. With ``FMA`` (the verify's ``fma`` option)
-both write the second update as an explicit fused multiply-add instead, the same one. Native
-rollback copies the state verify stored after token n.
+by an ulp from what verify / decoding computed. Both fold with the verify kernel's own
+``_fold_token`` (with ``FMA``, the verify's ``fma`` option, the second update is one explicit fused
+multiply-add). Native rollback copies the state verify stored after token n.
 """
 
 import triton
 import triton.language as tl
+
+from dflash2.runtime.kernels.gdn_verify.kernel import _fold_token
 
 
 @triton.jit
@@ -57,7 +59,7 @@ def gdn_replay_kernel(
     BW: tl.constexpr,
     NATIVE: tl.constexpr,
     ROLL: tl.constexpr,  # roll the conv window too (False: a deferred commit rolled it already)
-    FMA: tl.constexpr,  # the update as one fused multiply-add (the verify kernel's FMA; see below)
+    FMA: tl.constexpr,  # the update as one fused multiply-add (the verify kernel's FMA: _fold_token)
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -97,8 +99,7 @@ def gdn_replay_kernel(
                     DK,
                     DV,
                 )
-                h = h * tl.exp(g_t)
-                h = tl.fma(k_t[:, None], u_t[None, :], h) if FMA else h + k_t[:, None] * u_t[None, :]
+                h = _fold_token(h, g_t, k_t, u_t, FMA)
                 g_t, k_t, u_t = g_n, k_n, u_n
         tl.store(p_rec, h, mask=m_h)
     if ROLL & (n > 0):

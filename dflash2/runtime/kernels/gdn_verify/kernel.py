@@ -186,14 +186,20 @@ def _fold_rows(stash_k, stash_g, log_u, i_n, i_h, i_hk, t, T, o_k, o_v, m_k, m_v
 
 
 @triton.jit
-def _fold_token(h, g, k, u, FMA: tl.constexpr):
-    """One pending token folded into the (BK, BV) state tile: gdn_replay_kernel's two updates, its order
-    (FMA: the second as one fused multiply-add, as :func:`_verify_token` and gdn_replay_kernel then do it)."""
-    h = h * tl.exp(g)
+def _add_outer(h, k, u, FMA: tl.constexpr):
+    """h + k uᵀ on the (BK, BV) state tile, the second state update: the one definition the walk, the fold
+    and the commit kernel share, so that they round alike (FMA: one fused multiply-add per element)."""
     if FMA:
         return tl.fma(k[:, None], u[None, :], h)
     else:
         return h + k[:, None] * u[None, :]
+
+
+@triton.jit
+def _fold_token(h, g, k, u, FMA: tl.constexpr):
+    """One pending token folded into the (BK, BV) state tile: the decay, then :func:`_add_outer`, the walk's
+    order (gdn_replay_kernel folds with this too)."""
+    return _add_outer(h * tl.exp(g), k, u, FMA)
 
 
 @triton.jit
@@ -248,7 +254,7 @@ def _verify_token(
         hq = _dot_rows(h, q, FMA)
         kq = tl.sum(k * q, 0)
     u = (v - _dot_rows(h, k, FMA)) * beta
-    h = tl.fma(k[:, None], u[None, :], h) if FMA else h + k[:, None] * u[None, :]  # _fold_token's, bit for bit
+    h = _add_outer(h, k, u, FMA)
     out = hq + kq * u if SPLIT_OUT else _dot_rows(h, q, FMA)
     tok = i_n * T + t
     tl.store(o + (tok * H + i_h) * DV + o_v, out.to(o.dtype.element_ty), mask=m_v)
