@@ -239,15 +239,30 @@ def test_block_v_narrows_until_the_recurrence_fills_the_sms():
     assert occupancy_block_v(64, 4, 4, 1) == 4  # d_v 4: its own power of two
 
 
+def test_prep_chunks_shorten_while_a_block_prep_leaves_sms_idle():
+    """The 9B shape (16 key heads, 32 value heads: 64 prep programs per row) on 132 SMs: 4-token chunks at 1 and
+    2 rows (64, 128 programs), 16 from 3 rows (192); this file's shape (2 key heads, 4 value heads: 8 per row)
+    keeps 4 up to 16 rows (128 programs)."""
+    from dflash2.runtime.kernels.gdn_verify import NARROW_PREP_TOKENS, PREP_TOKENS, occupancy_block_t
+
+    assert (NARROW_PREP_TOKENS, PREP_TOKENS) == (4, 16)
+    assert occupancy_block_t(1, 16, 32, 132) == 4 and occupancy_block_t(2, 16, 32, 132) == 4
+    assert occupancy_block_t(3, 16, 32, 132) == 16 and occupancy_block_t(64, 16, 32, 132) == 16
+    assert occupancy_block_t(16, 2, 4, 132) == 4 and occupancy_block_t(17, 2, 4, 132) == 16
+
+
 @pytest.mark.cuda
-def test_a_cuda_state_picks_its_block_v_unless_given():
+def test_a_cuda_state_picks_its_block_v_and_block_t_unless_given():
     kw = dict(
         conv_dim=C, conv_kernel=K, num_k_heads=HK, num_v_heads=H, head_k_dim=DK, head_v_dim=DV, dtype=torch.float32
     )
+    # 1 row × 4 heads × 8/4: 8 recurrence programs and 2·2 + 4 = 8 prep programs, fewer than any GPU's SMs
     picked = GDNState(1, 1, device="cuda", mode="replay", **kw)
-    assert picked.kernel_options == {"block_v": 4}  # 1 row × 4 heads × 8/4: 8 programs, fewer than any GPU's SMs
-    given = GDNState(1, 1, device="cuda", mode="replay", kernel_options={"block_v": 8}, **kw)
-    assert given.kernel_options == {"block_v": 8}
+    assert picked.kernel_options == {"block_v": 4, "block_t": 4}
+    given = GDNState(1, 1, device="cuda", mode="native", kernel_options={"block_v": 8, "block_t": 16}, **kw)
+    assert given.kernel_options == {"block_v": 8, "block_t": 16}
+    one = GDNState(1, 1, device="cuda", mode="replay", kernel_options={"one_launch": True}, **kw)
+    assert one.kernel_options == {"one_launch": True, "block_v": 4}  # one_launch picks its own prep chunks
     assert GDNState(1, 1, device="cuda", mode="reference", **kw).kernel_options == {}
 
 
@@ -258,4 +273,4 @@ def test_the_chunked_recurrence_keeps_its_own_tile():
         conv_dim=C, conv_kernel=K, num_k_heads=HK, num_v_heads=H, head_k_dim=DK, head_v_dim=DV, dtype=torch.float32
     )
     s = GDNState(1, 1, device="cuda", mode="replay", kernel_options={"chunked": True}, **kw)
-    assert s.kernel_options == {"chunked": True, "block_v": 4, "chunk_block_v": 8}  # d_v 8: its power of two
+    assert s.kernel_options == {"chunked": True, "block_v": 4, "block_t": 4, "chunk_block_v": 8}  # d_v 8

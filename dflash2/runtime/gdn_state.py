@@ -66,6 +66,7 @@ from dflash2.runtime.kernels.gdn_log import (
     recur_programs,
 )
 from dflash2.runtime.kernels.gdn_replay.reference import gdn_replay
+from dflash2.runtime.kernels.gdn_verify import occupancy_block_t
 from dflash2.runtime.kernels.gdn_verify.reference import gdn_gates, gdn_verify
 
 GDN_MODES = ("reference", "replay", "native")  # what a state runs
@@ -116,8 +117,9 @@ class GDNState:
     block_t / num_warps / prep_warps / stages / split_out / fma / pdl / chunked / chunk_warps / chunk_block_v /
     chunk_block_k, gdn_verify_triton's keywords (tuning; ``chunked=True``: ReplaySSM's verify computes the block
     with matrix products instead of a serial walk, equal to fp32 rounding, §5.5, the chunk_* knobs its tile and warps;
-    the commit kernel takes only block_v / num_warps / fma; block_v left out on CUDA = :func:`occupancy_block_v` at
-    this batch size and the GPU's SM count, resolved here into kernel_options); defer: whether replay mode defers
+    the commit kernel takes only block_v / num_warps / fma; block_v and block_t left out on CUDA =
+    :func:`occupancy_block_v` and :func:`occupancy_block_t` at this batch size and the GPU's SM count, resolved
+    here into kernel_options); defer: whether replay mode defers
     commits of reserved logs (default True; False commits with the fold kernel at once, the layout
     before the deferred commit, for comparisons).
     """
@@ -156,6 +158,10 @@ class GDNState:
             # at a small batch: narrower value slices, so that the recurrence's programs fill the SMs
             sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
             self.kernel_options["block_v"] = occupancy_block_v(batch_size, num_v_heads, head_v_dim, sms)
+            if "block_t" not in self.kernel_options and not self.kernel_options.get("one_launch"):
+                # and shorter prep chunks when a block's prep would run fewer programs than SMs; once per state,
+                # so that all its verifies round alike (occupancy_block_t). one_launch picks its own
+                self.kernel_options["block_t"] = occupancy_block_t(batch_size, num_k_heads, num_v_heads, sms)
             if self.kernel_options.get("chunked") and "chunk_block_v" not in self.kernel_options:
                 # the chunked recurrence keeps its own tile (its chunk_block_v defaults to block_v, and a narrow
                 # one pads each program's 16-wide tile and repeats the per-program work the wide tile amortises)

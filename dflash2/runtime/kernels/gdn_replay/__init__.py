@@ -22,7 +22,7 @@ def gdn_replay_triton(
     block_v: int | None = None,
     num_warps: int | None = None,
     roll_conv: bool = True,
-    fma: bool = False,
+    fma: bool = True,
 ) -> None:
     """Commit the first n[r] tokens of the verify that wrote ``log`` into row r, in place.
 
@@ -32,8 +32,8 @@ def gdn_replay_triton(
     n (N,) integer on the device, each in [0, T] (not checked: that would read it back to the host).
     Rows with n = 0 keep both states. block_v / num_warps: tuning knobs. roll_conv=False folds the
     recurrent state only (GDNState.flush after a deferred commit, which rolled the window already).
-    fma: fold with the state update as one fused multiply-add, as the verify's ``fma`` option does (a log
-    verified with it must be committed with it, or the exact fold breaks).
+    fma: fold with the state update as one fused multiply-add, as the verify's ``fma`` option does (on by
+    default in both; a log must be committed with the setting it was verified with, or the exact fold breaks).
     """
     N, T, C = log.x.shape
     dk, dv = rec_state.shape[2:]

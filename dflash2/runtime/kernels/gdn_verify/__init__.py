@@ -13,6 +13,7 @@ import torch
 from dflash2.runtime.kernels.gdn_log import GDNLog, PendingFold, default_block_v, new_log, recur_programs
 
 PREP_TOKENS = 16  # the prep kernel's tokens per chunk (see gdn_verify_triton)
+NARROW_PREP_TOKENS = 4  # occupancy_block_t's choice when a block's prep would leave SMs idle
 ONE_LAUNCH_PREP_TOKENS = 4  # one_launch: tokens per prep program (one warp each; see gdn_verify_triton)
 PDL_MAX_ROWS = 1  # pdl=None turns pdl on up to this many rows (see gdn_verify_triton)
 DEFAULT_STAGES = 3  # ReplaySSM's recurrence: software-pipeline stages of its token loops (see gdn_verify_triton)
@@ -21,6 +22,20 @@ DEFAULT_STAGES = 3  # ReplaySSM's recurrence: software-pipeline stages of its to
 # module needs Triton
 DEFAULT_CHUNK_WARPS = 4
 DEFAULT_CHUNK_BLOCK_K = 16
+
+
+def occupancy_block_t(batch: int, num_k_heads: int, num_v_heads: int, programs_wanted: int) -> int:
+    """The prep kernel's tokens per program for a state of ``batch`` rows: PREP_TOKENS, or NARROW_PREP_TOKENS
+    when a block verify's prep at PREP_TOKENS would run fewer than ``programs_wanted`` programs
+    (batch · (2·Hk + H), one per row and head; GDNState passes the GPU's SM count). Why: at a small batch the
+    prep is one latency chain of 16 tokens per head on few SMs, and the recurrence waits for it; four times as
+    many programs of 4 tokens finish sooner. The L2 norm's summation order follows the tile's shape, so every
+    verify of one state (decoding and blocks, both GDN modes) must run one chunk size; GDNState resolves it
+    once, from its batch size. H200, 9B GDN shape (64 prep programs per row), block 16: docs/BENCHMARKS.md,
+    stop 24."""
+    if batch * (2 * num_k_heads + num_v_heads) < programs_wanted:
+        return NARROW_PREP_TOKENS
+    return PREP_TOKENS
 
 
 def gdn_verify_triton(
@@ -43,7 +58,7 @@ def gdn_verify_triton(
     prep_warps: int | None = None,
     stages: int | None = None,
     split_out: bool = False,
-    fma: bool = False,
+    fma: bool = True,
     pdl: bool | None = None,
     one_launch: bool = False,
     chunked: bool = False,
@@ -76,12 +91,12 @@ def gdn_verify_triton(
         default, DEFAULT_STAGES); the arithmetic, and so the rounding, is the same. split_out (with
         stages ≥ 1): o_t = hᵀq + (k·q) u_t, whose d_k sum no longer waits for u_t (outputs round
         differently; the state and the log do not).
-        fma (sequential walk and fold; off by default until the exact fold is confirmed on a GPU): the
-        recurrence's d_k sums hᵀk, hᵀq as chains of fused multiply-adds instead of a multiply and an add per
-        element, and the state update h + k uᵀ as one (kernel.py's _dot_rows, _fold_token). Written out, not
-        left to the compiler's contraction, which can round differently between specialisations of the kernel;
-        the commit kernel must fold with the same setting (GDNState passes it). Outputs round differently from
-        fma off (fp32 rounding). H200 figures: docs/BENCHMARKS.md, stop 23.
+        fma (sequential walk and fold; on by default): the recurrence's d_k sums hᵀk, hᵀq as chains of fused
+        multiply-adds instead of a multiply and an add per element, and the state update h + k uᵀ as one
+        (kernel.py's _dot_rows, _fold_token). Written out, not left to the compiler's contraction, which can
+        round differently between specialisations of the kernel; the commit kernel must fold with the same
+        setting (GDNState passes it; gdn_replay_triton's default is the same). Off: a multiply and an add per
+        element, as before (outputs differ at fp32 rounding). H200 figures: docs/BENCHMARKS.md, stops 23–24.
         pdl (CUDA, Hopper on; sequential walk only): the recurrence kernel is launched as a programmatic
     dependent of the prep kernel (``launch_pdl``), so it starts while the prep runs, loads its state tile, folds
     a pending commit, and waits (``gdc_wait``) only before its first read
