@@ -4,11 +4,13 @@
 * The sums' combine is commutative bit for bit in all four cases (two products, a partial sum and a product
   either way round, two partial sums): in a warp's butterfly two lanes combine the same pair in opposite order
   and must keep the same sum.
-* fma is on by default, so the other GDN suites check the exact fold with it. Here the same invariants with
-  it off (the option stays): verify(T) + commit(n) == n single-token steps bit for bit (u, states, conv),
-  native == ReplaySSM, the eager commit and the deferred fold alike, for ragged n with 0 and T; bf16 block
-  verify + deferred commit == single-token decoding bit for bit (also through the one-launch kernel).
-* With it on, the hand-prefetch loop (stages 0) == the pipelined one (stages 3) through the deferred fold.
+* The other GDN suites run the default setting: fma on a GPU, off under Triton's interpreter
+  (gdn_log.default_fma: the interpreter runs the fma sums slowly). Here the same invariants with the *other*
+  setting (``OTHER``: on in the CPU cases, off in the GPU ones): verify(T) + commit(n) == n single-token steps
+  bit for bit (u, states, conv), native == ReplaySSM, the eager commit and the deferred fold alike, for ragged
+  n with 0 and T; bf16 block verify + deferred commit == single-token decoding bit for bit (also through the
+  one-launch kernel).
+* With fma on, the hand-prefetch loop (stages 0) == the pipelined one (stages 3) through the deferred fold.
 * On against off, and each against the plain-PyTorch twin: equal to fp32 rounding; the conv windows exactly.
 
 The CPU cases run in Triton's interpreter; the GPU cases (marked ``cuda``) are the ones that can fail
@@ -35,9 +37,11 @@ from test_runtime_gdn_kernels import (
     per_device,
 )
 
+from dflash2.runtime.kernels.gdn_log import default_fma
 from dflash2.runtime.kernels.gdn_verify.kernel import _fma_pair
 
-OFF = dict(kernel_options=dict(fma=False))
+OTHER_FMA = not default_fma(None)  # the setting the other suites do not run here
+OTHER = dict(kernel_options=dict(fma=OTHER_FMA))
 WIDE = (2, 4, 64, 32)  # Hk, H, d_k, d_v: several d_k rows per lane
 
 
@@ -78,14 +82,14 @@ def test_fma_combine_is_commutative_bit_for_bit(device):
     "device, T, heads",
     per_device(cpu=[(3, GQA_CPU)], cuda=[(3, GQA), (9, GQA), (16, GQA), (16, WIDE)]),
 )
-def test_fma_off_exact_fold_equals_single_token_decoding(device, T, heads):
-    """test_runtime_gdn_kernels.py's exact-fold test with fma off (the decoding as well)."""
+def test_other_fma_exact_fold_equals_single_token_decoding(device, T, heads):
+    """test_runtime_gdn_kernels.py's exact-fold test with the other fma setting (the decoding as well)."""
     N = 4
     case = make_case(N, T, heads, device=device, seed=20 + T)
     n = torch.tensor([0, 1, T // 2, T], device=device)
-    conv_steps, rec_steps, u_steps = _decode(case, "replay", **OFF)
+    conv_steps, rec_steps, u_steps = _decode(case, "replay", **OTHER)
     for mode in ("replay", "native"):
-        s = _gdn_state(case, mode, **OFF)
+        s = _gdn_state(case, mode, **OTHER)
         s.verify(0, *_inputs(case))
         if mode == "replay":
             assert torch.equal(s.logs[0].u, u_steps)
@@ -101,10 +105,10 @@ def test_fma_off_exact_fold_equals_single_token_decoding(device, T, heads):
         cuda=[(GQA, 16, 4, False), (WIDE, 16, 4, False), (WIDE, 5, 3, False), (GQA, 16, 4, True)],
     ),
 )
-def test_fma_off_bf16_block_verify_equals_single_token_decoding(device, heads, T, N, one_launch):
+def test_other_fma_bf16_block_verify_equals_single_token_decoding(device, heads, T, N, one_launch):
     """Reserved logs, deferred commit: the recurrence kernel, or the one-launch kernel (one_launch.py)."""
     case = make_case(N, T, heads, dtype=torch.bfloat16, device=device, seed=31)
-    assert_block_verify_equals_single_token_decoding(case, kernel_options=dict(fma=False, one_launch=one_launch))
+    assert_block_verify_equals_single_token_decoding(case, kernel_options=dict(fma=OTHER_FMA, one_launch=one_launch))
 
 
 # GPU only: the interpreter runs both loops' arithmetic alike by construction (the deferred fold with fma is
@@ -115,7 +119,7 @@ def test_fma_deferred_fold_hand_prefetch_equals_pipelined(device, heads):
     states bit for bit, and stay within fp32 rounding of fma off."""
     N, T, L = 3, 4, 1
     start = make_case(N, T, heads, device=device, seed=80)
-    options = {"s0": dict(stages=0), "s3": dict(stages=3), "off": dict(stages=3, fma=False)}
+    options = {"s0": dict(stages=0, fma=True), "s3": dict(stages=3, fma=True), "off": dict(stages=3, fma=False)}
     states = {k: _gdn_state(start, "replay", L, kernel_options=o) for k, o in options.items()}
     for s in states.values():
         s.reserve(T)
@@ -135,12 +139,11 @@ def test_fma_deferred_fold_hand_prefetch_equals_pipelined(device, heads):
 
 @pytest.mark.parametrize("device, heads", per_device(cpu=[(GQA_CPU,)], cuda=[(GQA,), (WIDE,)]))
 def test_fma_on_and_off_match_the_reference_decoding(device, heads):
-    """Single-token decoding with fma on (the default) and off against the plain-PyTorch twin's: fp32
-    rounding apart."""
+    """Single-token decoding with fma on and off against the plain-PyTorch twin's: fp32 rounding apart."""
     T = 4
     case = make_case(2, T, heads, device=device, seed=44)
     conv_ref, rec_ref, _ = _decode(case, "reference")
-    for options in ({}, OFF):
+    for options in (dict(kernel_options=dict(fma=True)), dict(kernel_options=dict(fma=False))):
         conv, rec, _ = _decode(case, "replay", **options)
         torch.testing.assert_close(rec, rec_ref, **F32)
         torch.testing.assert_close(conv, conv_ref, rtol=0, atol=0)

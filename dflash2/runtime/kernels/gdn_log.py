@@ -92,6 +92,19 @@ def default_block_v(head_v_dim: int) -> int:
     return min(1 << max(head_v_dim - 1, 0).bit_length(), 16)
 
 
+def default_fma(fma: bool | None) -> bool:
+    """The recurrence's ``fma`` setting (gdn_verify_triton's docstring) when the caller left it out (None): on,
+    except under Triton's interpreter. There the sums' reduction with a user combine runs element by element
+    (slice by slice with interpreter_reduce.py), which made the CPU suites' GDN tests about 1.6–3× slower; the
+    interpreter's fma path has its own tests (tests/test_runtime_gdn_fma.py), and on a GPU every GDN test runs
+    it. The verify and the commit resolve it alike, so a log is always committed with its verify's setting."""
+    if fma is not None:
+        return bool(fma)
+    from dflash2.runtime.kernels.triton_util import interpreting
+
+    return not interpreting()
+
+
 def occupancy_block_v(batch: int, num_v_heads: int, head_v_dim: int, programs_wanted: int) -> int:
     """:func:`default_block_v`, halved (down to 4) while the recurrence would run fewer than ``programs_wanted``
     programs (batch · H · ceil(d_v / block_v); GDNState passes the GPU's SM count). Why: at a small batch the

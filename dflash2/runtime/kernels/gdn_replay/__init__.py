@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash2.runtime.kernels.gdn_log import GDNLog
+from dflash2.runtime.kernels.gdn_log import GDNLog, default_fma
 
 
 def gdn_replay_triton(
@@ -22,7 +22,7 @@ def gdn_replay_triton(
     block_v: int | None = None,
     num_warps: int | None = None,
     roll_conv: bool = True,
-    fma: bool = True,
+    fma: bool | None = None,
 ) -> None:
     """Commit the first n[r] tokens of the verify that wrote ``log`` into row r, in place.
 
@@ -32,8 +32,9 @@ def gdn_replay_triton(
     n (N,) integer on the device, each in [0, T] (not checked: that would read it back to the host).
     Rows with n = 0 keep both states. block_v / num_warps: tuning knobs. roll_conv=False folds the
     recurrent state only (GDNState.flush after a deferred commit, which rolled the window already).
-    fma: fold with the state update as one fused multiply-add, as the verify's ``fma`` option does (on by
-    default in both; a log must be committed with the setting it was verified with, or the exact fold breaks).
+    fma: fold with the state update as one fused multiply-add, as the verify's ``fma`` option does (None: the
+    same default as the verify's, gdn_log.default_fma; a log must be committed with the setting it was
+    verified with, or the exact fold breaks).
     """
     N, T, C = log.x.shape
     dk, dv = rec_state.shape[2:]
@@ -74,7 +75,7 @@ def gdn_replay_triton(
         block_v=bv,
         num_warps=warps,
         roll_conv=roll_conv,
-        fma=bool(fma),
+        fma=default_fma(fma),
     )
 
 

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from dflash2.runtime.kernels.gdn_log import GDNLog, PendingFold, default_block_v, new_log, recur_programs
+from dflash2.runtime.kernels.gdn_log import (
+    GDNLog,
+    PendingFold,
+    default_block_v,
+    default_fma,
+    new_log,
+    recur_programs,
+)
 
 PREP_TOKENS = 16  # the prep kernel's tokens per chunk (see gdn_verify_triton)
 NARROW_PREP_TOKENS = 4  # occupancy_block_t's choice when a block's prep would leave SMs idle
@@ -58,7 +65,7 @@ def gdn_verify_triton(
     prep_warps: int | None = None,
     stages: int | None = None,
     split_out: bool = False,
-    fma: bool = True,
+    fma: bool | None = None,
     pdl: bool | None = None,
     one_launch: bool = False,
     chunked: bool = False,
@@ -91,7 +98,8 @@ def gdn_verify_triton(
         default, DEFAULT_STAGES); the arithmetic, and so the rounding, is the same. split_out (with
         stages ≥ 1): o_t = hᵀq + (k·q) u_t, whose d_k sum no longer waits for u_t (outputs round
         differently; the state and the log do not).
-        fma (sequential walk and fold; on by default): the recurrence's d_k sums hᵀk, hᵀq as chains of fused
+        fma (sequential walk and fold; None = on, except under Triton's interpreter: gdn_log.default_fma):
+        the recurrence's d_k sums hᵀk, hᵀq as chains of fused
         multiply-adds instead of a multiply and an add per element, and the state update h + k uᵀ as one
         (kernel.py's _dot_rows, _fold_token). Written out, not left to the compiler's contraction, which can
         round differently between specialisations of the kernel; the commit kernel must fold with the same
@@ -222,7 +230,7 @@ def gdn_verify_triton(
         block_t=bt,
         stages=stages,
         split_out=bool(split_out) and stages > 0,
-        fma=bool(fma),
+        fma=default_fma(fma),
         pdl=(_pdl_by_default(x.device, N, native, chunked and T > 1) if pdl is None else bool(pdl))
         and x.is_cuda
         and not one_launch,
