@@ -25,8 +25,8 @@ ONE_LAUNCH_PREP_TOKENS = 4  # one_launch: tokens per prep program (one warp each
 PDL_MAX_ROWS = 1  # pdl=None turns pdl on up to this many rows (see gdn_verify_triton)
 DEFAULT_STAGES = 3  # ReplaySSM's recurrence: software-pipeline stages of its token loops (see gdn_verify_triton)
 # the chunked recurrence's warps and d_k slice (chunk_kernel.py: 85 registers, no spills, compiled offline
-# for sm_90a at the 9B shape; not yet timed on a GPU). Here, not imported from chunk_kernel.py: that
-# module needs Triton
+# for sm_90a at the 9B shape; on the H200 still slower than the sequential walk at batch 1, docs/BENCHMARKS.md
+# stops 16 and 24). Here, not imported from chunk_kernel.py: that module needs Triton
 DEFAULT_CHUNK_WARPS = 4
 DEFAULT_CHUNK_BLOCK_K = 16
 
