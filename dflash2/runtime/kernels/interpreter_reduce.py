@@ -2,9 +2,10 @@
 
 Triton's interpreter runs a reduction whose combine is not one of its own (the GDN recurrence's
 ``_fma_pair``, gdn_verify/kernel.py) one *element* at a time: for a (BK, BV) tile it calls the combine
-BK · BV times on scalars, which made the CPU GDN suites about three times slower once that reduction
-became the default (``fma``). Every combine Triton accepts is elementwise, so the same left-to-right
-chain along the axis can run one *slice* at a time instead: BK calls on (BV,) arrays. Each output
+BK · BV times on scalars, which made the CPU GDN kernel tests about three times slower with ``fma`` on
+(under the interpreter it is now off unless asked: gdn_log.default_fma; tests/test_runtime_gdn_fma.py
+asks). Every combine Triton accepts is elementwise, so the same left-to-right chain along the axis can
+run one *slice* at a time instead: BK calls on (BV,) arrays. Each output
 element sees exactly the arithmetic, in exactly the order, the per-element loop gives it
 (``tests/test_interpreter_reduce.py`` compares the two bit for bit).
 

@@ -99,12 +99,12 @@ def gdn_verify_triton(
         stages ≥ 1): o_t = hᵀq + (k·q) u_t, whose d_k sum no longer waits for u_t (outputs round
         differently; the state and the log do not).
         fma (sequential walk and fold; None = on, except under Triton's interpreter: gdn_log.default_fma):
-        the recurrence's d_k sums hᵀk, hᵀq as chains of fused
-        multiply-adds instead of a multiply and an add per element, and the state update h + k uᵀ as one
-        (kernel.py's _dot_rows, _fold_token). Written out, not left to the compiler's contraction, which can
-        round differently between specialisations of the kernel; the commit kernel must fold with the same
-        setting (GDNState passes it; gdn_replay_triton's default is the same). Off: a multiply and an add per
-        element, as before (outputs differ at fp32 rounding). H200 figures: docs/BENCHMARKS.md, stops 23–24.
+        the recurrence's d_k sums hᵀk, hᵀq as chains of fused multiply-adds instead of a multiply and an add
+        per element, and the state update h + k uᵀ as one (kernel.py's _dot_rows, _fold_token). Written out,
+        not left to the compiler's contraction, which can round differently between specialisations of the
+        kernel; the commit kernel must fold with the same setting (GDNState passes it; gdn_replay_triton's
+        default is the same). Off: a multiply and an add per element, as before (outputs differ at fp32
+        rounding). H200 figures: docs/BENCHMARKS.md, stops 23–24.
         pdl (CUDA, Hopper on; sequential walk only): the recurrence kernel is launched as a programmatic
     dependent of the prep kernel (``launch_pdl``), so it starts while the prep runs, loads its state tile, folds
     a pending commit, and waits (``gdc_wait``) only before its first read
