@@ -13,10 +13,10 @@
 * With fma on, the hand-prefetch loop (stages 0) == the pipelined one (stages 3) through the deferred fold.
 * On against off, and each against the plain-PyTorch twin: equal to fp32 rounding; the conv windows exactly.
 
-The CPU cases run in Triton's interpreter; the GPU cases (marked ``cuda``) are the ones that can fail
-where the interpreter cannot: there the sums really run as per-lane chains and butterflies, on tiles
-small enough that a lane holds one element along d_k (GQA's d_k = 5) and large enough that it holds
-several (d_k = 64)."""
+The CPU cases run in Triton's interpreter. Only on a GPU do the fma sums really run as per-lane chains and
+butterflies, which is where a combine that is not symmetric breaks the exact fold (stop 23). There, fma on
+is checked by the other suites' exact-fold and bf16 tests (fma is their default on a GPU, and their tiles
+include d_k 5, one element per lane) and here by the commutativity case and the deferred-fold case (d_k 5, 64)."""
 
 import pytest
 import torch
