@@ -27,9 +27,13 @@ import torch
 if os.environ.get("TRITON_INTERPRET") == "1":
     # the interpreter runs a reduction with our own combine (the GDN recurrence's fma sums) element by
     # element; slice by slice gives the same values about three times faster (interpreter_reduce.py)
+    from dflash2.runtime.kernels.interpreter_nested_calls import skip_repatching_nested_calls
     from dflash2.runtime.kernels.interpreter_reduce import vectorize_interpreter_reductions
 
     vectorize_interpreter_reductions()
+    # and a jit helper's call re-patches triton.language that its launch already patched (a tenth of the
+    # engine-level GDN tests' time): interpreter_nested_calls.py skips that
+    skip_repatching_nested_calls()
 
 # One thread: tiny test models gain nothing from more, and oversubscribed OpenMP
 # threads (several processes on 2 cores) slow small matmuls down by 10-40x.
