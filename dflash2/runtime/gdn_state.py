@@ -59,6 +59,7 @@ import torch
 
 from dflash2.runtime.kernels.gdn_log import (
     GDNLog,
+    NextLayerFold,
     PendingFold,
     default_block_v,
     new_log,
@@ -66,7 +67,7 @@ from dflash2.runtime.kernels.gdn_log import (
     recur_programs,
 )
 from dflash2.runtime.kernels.gdn_replay.reference import gdn_replay
-from dflash2.runtime.kernels.gdn_verify import occupancy_block_t
+from dflash2.runtime.kernels.gdn_verify import FOLD_AHEAD_MAX_ROWS, occupancy_block_t
 from dflash2.runtime.kernels.gdn_verify.reference import gdn_gates, gdn_verify
 
 GDN_MODES = ("reference", "replay", "native")  # what a state runs
@@ -114,14 +115,16 @@ class GDNState:
     per forward and keeps that layer's log until ``commit(n)`` consumes all of them (in replay mode
     with reserved logs the commit is deferred into the next verify: module docstring, :meth:`flush`).
     mode: 'reference' | 'replay' | 'native', or 'auto' (by the device: module docstring); kernel_options: block_v /
-    block_t / num_warps / prep_warps / stages / split_out / fma / pdl / chunked / chunk_warps / chunk_block_v /
-    chunk_block_k, gdn_verify_triton's keywords (tuning; ``chunked=True``: ReplaySSM's verify computes the block
-    with matrix products instead of a serial walk, equal to fp32 rounding, §5.5, the chunk_* knobs its tile and warps;
+    block_t / num_warps / prep_warps / stages / split_out / fma / pdl / fold_ahead / chunked / chunk_warps /
+    chunk_block_v / chunk_block_k, gdn_verify_triton's keywords (tuning; ``chunked=True``: ReplaySSM's verify
+    computes the block with matrix products instead of a serial walk, equal to fp32 rounding, §5.5, the chunk_*
+    knobs its tile and warps;
     the commit kernel takes only block_v / num_warps / fma; block_v and block_t left out on CUDA =
     :func:`occupancy_block_v` and :func:`occupancy_block_t` at this batch size and the GPU's SM count, resolved
-    here into kernel_options); defer: whether replay mode defers
-    commits of reserved logs (default True; False commits with the fold kernel at once, the layout
-    before the deferred commit, for comparisons).
+    here into kernel_options; fold_ahead left out = on for ReplaySSM's walk on CUDA at up to FOLD_AHEAD_MAX_ROWS
+    rows, resolved here into ``fold_ahead``: each layer's verify then folds the next GDN layer's pending
+    commit); defer: whether replay mode defers commits of reserved logs (default True; False commits with the
+    fold kernel at once, the layout before the deferred commit, for comparisons).
     """
 
     def __init__(
@@ -166,6 +169,7 @@ class GDNState:
                 # the chunked recurrence keeps its own tile (its chunk_block_v defaults to block_v, and a narrow
                 # one pads each program's 16-wide tile and repeats the per-program work the wide tile amortises)
                 self.kernel_options["chunk_block_v"] = default_block_v(head_v_dim)
+        self.fold_ahead = self._fold_ahead_setting(mode, batch_size, device)
         self.logs: list[GDNLog | None] = [None] * num_layers
         self._static: dict[int, list[GDNLog]] = {}  # T -> per-layer logs at fixed addresses (reserve)
         self.defer = bool(defer)
@@ -182,6 +186,20 @@ class GDNState:
         # commits no Python sees: flush() always folds those T's counts, which are 0 if nothing is pending).
         self._deferred: int | None = None
         self._captured: set[int] = set()
+
+    def _fold_ahead_setting(self, mode: str, batch_size: int, device) -> bool:
+        """The verifies' fold_ahead (kernel_options' if given), resolved once per state, so that every verify
+        runs one compiled walk: else on for ReplaySSM's sequential walk on CUDA at up to FOLD_AHEAD_MAX_ROWS rows.
+        Off where there is no such walk (native, one_launch, chunked, the hand-prefetch loop of stages 0). Why one
+        row: there the walk leaves most schedulers idle; from two rows on the fold-ahead programs would share
+        schedulers with the walk, and they read and write every state tile once more (docs/BENCHMARKS.md)."""
+        o = self.kernel_options
+        if mode != "replay" or o.get("one_launch") or o.get("chunked") or o.get("stages") == 0:
+            return False
+        asked = o.get("fold_ahead")
+        if asked is not None:
+            return bool(asked)
+        return torch.device(device).type == "cuda" and batch_size <= FOLD_AHEAD_MAX_ROWS
 
     def _native(self, T: int) -> bool:
         """Whether a T-token verify stores per-position states (native mode, short enough)."""
@@ -297,9 +315,15 @@ class GDNState:
             return o
         from dflash2.runtime.kernels.gdn_verify import gdn_verify_triton  # Triton only where it runs
 
-        fold = None
+        fold = fold_next = None
         if self._defers(T):  # always, so that a captured verify is the same kernel whether a fold is pending
             fold = PendingFold(self._pend[T][slot], *(t[slot] for t in self._stash[T]))
+            if self.fold_ahead and slot + 1 < len(self.logs):
+                # the next GDN layer's pending commit, folded during this walk (its verify then finds none)
+                nxt = slot + 1
+                fold_next = NextLayerFold(
+                    self.rec[nxt], static[nxt].u, PendingFold(self._pend[T][nxt], *(t[nxt] for t in self._stash[T]))
+                )
         o, self.logs[slot] = gdn_verify_triton(
             x,
             self.conv[slot],
@@ -313,7 +337,8 @@ class GDNState:
             native=self._native(T),
             out=out,
             fold=fold,
-            **self.kernel_options,
+            fold_next=fold_next,
+            **dict(self.kernel_options, fold_ahead=self.fold_ahead),
         )
         return o
 

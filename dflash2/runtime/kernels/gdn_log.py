@@ -86,6 +86,20 @@ class PendingFold:
         return sum(t.numel() * t.element_size() for t in (self.n, self.k, self.g))
 
 
+@dataclass
+class NextLayerFold:
+    """Another GDN layer's pending fold, done ahead by this layer's verify (gdn_verify_triton's ``fold_next``).
+
+    rec: (N, H, d_k, d_v) fp32, that layer's recurrent state, folded in place; u: (N, T, H, d_v) fp32, its
+    log's u (the pending tokens' u, which its own next verify would overwrite); fold: its PendingFold (counts,
+    stash of k / g). All of one block length T and the shapes of this layer's.
+    """
+
+    rec: torch.Tensor
+    u: torch.Tensor
+    fold: PendingFold
+
+
 def default_block_v(head_v_dim: int) -> int:
     """The verify / commit kernels' default value-slice width: d_v rounded up to a power of two, at most
     16 (the H200 sweep's best at batch 64; docs/BENCHMARKS.md). Plain Python: no Triton import."""

@@ -12,6 +12,7 @@ import torch
 
 from dflash2.runtime.kernels.gdn_log import (
     GDNLog,
+    NextLayerFold,
     PendingFold,
     default_block_v,
     default_fma,
@@ -23,6 +24,7 @@ PREP_TOKENS = 16  # the prep kernel's tokens per chunk (see gdn_verify_triton)
 NARROW_PREP_TOKENS = 4  # occupancy_block_t's choice when a block's prep would leave SMs idle
 ONE_LAUNCH_PREP_TOKENS = 4  # one_launch: tokens per prep program (one warp each; see gdn_verify_triton)
 PDL_MAX_ROWS = 1  # pdl=None turns pdl on up to this many rows (see gdn_verify_triton)
+FOLD_AHEAD_MAX_ROWS = 1  # GDNState turns fold_ahead on up to this many rows on CUDA (see gdn_verify_triton)
 DEFAULT_STAGES = 3  # ReplaySSM's recurrence: software-pipeline stages of its token loops (see gdn_verify_triton)
 # the chunked recurrence's warps and d_k slice (chunk_kernel.py: 85 registers, no spills, compiled offline
 # for sm_90a at the 9B shape; on the H200 still slower than the sequential walk at batch 1, docs/BENCHMARKS.md
@@ -68,6 +70,8 @@ def gdn_verify_triton(
     fma: bool | None = None,
     pdl: bool | None = None,
     one_launch: bool = False,
+    fold_ahead: bool = False,
+    fold_next: NextLayerFold | None = None,
     chunked: bool = False,
     chunk_warps: int | None = None,
     chunk_block_v: int | None = None,
@@ -122,6 +126,16 @@ def gdn_verify_triton(
     (GDNState does), or decoding and block verifies round differently. Off by default: on the H200 at the
     9B shape it was slower at batch 1 (ReplaySSM 0.6–1.1 µs, native ~5 µs per layer) and, in one run,
     faster for ReplaySSM at batch 8 (50.1 against 53.0 µs; docs/BENCHMARKS.md, stop 22).
+    fold_ahead (ReplaySSM's sequential walk with stages ≥ 1; not with one_launch or chunked): the recurrence
+    kernel is compiled with a second kind of program, which folds *another* layer's pending commit ahead of
+    its verify: fold_next (a :class:`NextLayerFold`: that layer's state, log u, counts and stash, all of this
+    layer's shapes and block length) adds N·H programs per value slice, each of which folds one tile of it
+    exactly as that layer's own verify would (same operations, same order) and zeroes its count, so that
+    verify finds nothing left to fold. Why: at one row the walk's 256 one-warp programs leave half the
+    H200's schedulers idle, and a layer's fold of n pending tokens sits in its verify's critical path when
+    it outlasts the prep; folded during the previous layer's walk it costs no time there (GDNState passes
+    the next GDN layer; its first layer folds itself). Keep one fold_ahead setting for every verify of a
+    state, fold_next or not (GDNState does): the walk is then one compiled kernel.
     All are tuning knobs (dflash2/runtime/bench_gdn.py).
 
         chunked (ReplaySSM; ignored by native, whose per-token states are the sequential walk's output):
@@ -177,6 +191,18 @@ def gdn_verify_triton(
             raise ValueError(f"fold.n {tuple(fold.n.shape)}: expected ({N}, {recur_programs(H, dv, bv)}) contiguous")
         if fold.k.shape != log.k.shape or fold.g.shape != log.g.shape:
             raise ValueError("fold.k / fold.g must have the log's k / g shapes")
+    if fold_next is not None:
+        if not fold_ahead or native or one_launch or chunked or stages == 0:
+            raise ValueError("fold_next is folded by ReplaySSM's fold-ahead programs: fold_ahead, sequential walk")
+        nf = fold_next.fold
+        if fold_next.rec.shape != rec_state.shape or fold_next.rec[0].stride() != rec_state[0].stride():
+            raise ValueError(f"fold_next.rec {tuple(fold_next.rec.shape)}: expected this layer's state layout")
+        if fold_next.u.shape != log.u.shape or fold_next.u.stride(-1) != 1:
+            raise ValueError(f"fold_next.u {tuple(fold_next.u.shape)}: expected the log's u {tuple(log.u.shape)}")
+        if nf.n.shape != (N, recur_programs(H, dv, bv)) or nf.n.stride(-1) != 1:
+            raise ValueError(f"fold_next's counts {tuple(nf.n.shape)}: expected ({N}, {recur_programs(H, dv, bv)})")
+        if nf.k.shape != log.k.shape or nf.g.shape != log.g.shape:
+            raise ValueError("fold_next's stash must have the log's k / g shapes")
     if T == 0 or N == 0:
         return o, log
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -235,6 +261,12 @@ def gdn_verify_triton(
         and x.is_cuda
         and not one_launch,
         one_launch=one_launch,
+        fold_ahead=bool(fold_ahead) and not native and not one_launch and not (chunked and T > 1) and stages > 0,
+        fold_next=(
+            None
+            if fold_next is None
+            else (fold_next.rec, fold_next.u, fold_next.fold.n, fold_next.fold.k, fold_next.fold.g)
+        ),
         # one token: the sequential walk is the cheaper one
         chunked=(
             dict(

@@ -203,6 +203,54 @@ def _fold_token(h, g, k, u, FMA: tl.constexpr):
 
 
 @triton.jit
+def _fold_pending(
+    h, n, stash_k, stash_g, log_u, i_n, i_h, i_hk, T, o_k, o_v, m_k, m_v, HK, H, DK, DV, STAGES: tl.constexpr, FMA
+):  # fmt: skip
+    """The n pending tokens folded into the (BK, BV) tile h in order (STAGES ≥ 1: Triton's software pipeline
+    loads their rows ahead); returns h. Two tokens per iteration, then the odd one out: the same updates in
+    the same order, the loop's per-iteration cost shared (H200, 9B shape, batch 1, all 16 of 16 pending:
+    17.1 -> 16.0 µs per layer; docs/BENCHMARKS.md stop 20). By four it was slower (17.1), and so was folding
+    the last pending tokens inside the block loop's first iteration (stop 21)."""
+    for t in tl.range(0, n - 1, 2, num_stages=STAGES):
+        fg, fk, fu = _fold_rows(stash_k, stash_g, log_u, i_n, i_h, i_hk, t, T, o_k, o_v, m_k, m_v, HK, H, DK, DV)
+        fg1, fk1, fu1 = _fold_rows(stash_k, stash_g, log_u, i_n, i_h, i_hk, t + 1, T, o_k, o_v, m_k, m_v, HK, H, DK, DV)
+        h = _fold_token(_fold_token(h, fg, fk, fu, FMA), fg1, fk1, fu1, FMA)
+    if n % 2 == 1:
+        fg, fk, fu = _fold_rows(stash_k, stash_g, log_u, i_n, i_h, i_hk, n - 1, T, o_k, o_v, m_k, m_v, HK, H, DK, DV)
+        h = _fold_token(h, fg, fk, fu, FMA)
+    return h
+
+
+@triton.jit
+def _fold_ahead_program(
+    rec, log_u, pend, stash_k, stash_g, T, stride_rn, stride_pn, i_v, i_nh, HK, H, DK, DV, BK, BV, STAGES, FMA
+):  # fmt: skip
+    """Another layer's pending fold for one (row, head, value slice) tile (``FOLD_NEXT`` in gdn_recur_kernel):
+    the walk's fold of that layer's next verify, done here instead — the same tile, the same operations in
+    the same order (bit for bit), the folded tile stored and the count zeroed, so that the next verify finds
+    nothing pending. Reads that layer's stash and log u, writes its state and counts; nothing of this layer's."""
+    NV = (DV + BV - 1) // BV
+    i_n = (i_nh // H).to(tl.int64)
+    i_h = i_nh % H
+    i_hk = i_h // (H // HK)
+    p_n = pend + i_n * stride_pn + i_h * NV + i_v
+    n = tl.load(p_n)
+    if n > 0:
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < DK
+        m_v = o_v < DV
+        m_h = m_k[:, None] & m_v[None, :]
+        p_rec = rec + i_n * stride_rn + i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
+        h = tl.load(p_rec, mask=m_h, other=0.0)
+        h = _fold_pending(
+            h, n, stash_k, stash_g, log_u, i_n, i_h, i_hk, T, o_k, o_v, m_k, m_v, HK, H, DK, DV, STAGES, FMA
+        )
+        tl.store(p_rec, h, mask=m_h)
+        tl.store(p_n, n * 0)
+
+
+@triton.jit
 def _fma_pair(ax, ay, ap, bx, by, bp):
     """tl.reduce's combine for :func:`_dot_rows`. (x, y, p) is a product still to be taken, x·y (p = 0: an
     element of the tile), or a partial sum x (y = 1, p = 1). A partial sum takes the other side's product in one
@@ -279,9 +327,15 @@ def gdn_recur_kernel(
     pend,  # (N, P) int32 pending counts, P = H·NV (FOLD: column i_h·NV + i_v is this program's)
     stash_k,  # (N, T, HK, DK) fp32 (FOLD): the pending tokens' k, copied there by the deferred commit
     stash_g,  # (N, T, H) fp32 (FOLD): their g
+    rec_next,  # FOLD_NEXT: the next layer's rec, log u, pending counts and stash (this layer's shapes)
+    u_next,
+    pend_next,
+    stash_k_next,
+    stash_g_next,
     T,
     stride_rn,
     stride_pn,
+    NH,  # N·H: programs (·, i ≥ NH) of grid axis 1 fold the next layer ahead (FOLD_NEXT)
     HK: tl.constexpr,
     H: tl.constexpr,
     DK: tl.constexpr,
@@ -295,12 +349,27 @@ def gdn_recur_kernel(
     FMA: tl.constexpr,  # fused multiply-adds: the d_k sums (_dot_rows) and the state update (_fold_token)
     PDL: tl.constexpr,  # launched as a programmatic dependent of the prep kernel: gdc_wait before its outputs
     # (the fold reads only the stash and its own u, which the prep kernel does not touch: it runs before the wait)
+    FOLD_NEXT: tl.constexpr,  # N·H more programs fold the next layer's pending commit: _fold_ahead_program
 ):
-    gdn_recur_program(
-        q_in, k_in, v_in, g_in, beta_in, rec, o, log_u, states, pend, stash_k, stash_g, T, stride_rn, stride_pn,
-        tl.program_id(0), tl.program_id(1), pend, 0, HK, H, DK, DV, BK, BV, NATIVE, FOLD, STAGES, SPLIT_OUT,
-        FMA, 1 if PDL else 0,
-    )  # fmt: skip
+    i_nh = tl.program_id(1)
+    if FOLD_NEXT:
+        if i_nh >= NH:
+            _fold_ahead_program(
+                rec_next, u_next, pend_next, stash_k_next, stash_g_next, T, stride_rn, stride_pn, tl.program_id(0),
+                i_nh - NH, HK, H, DK, DV, BK, BV, STAGES, FMA,
+            )  # fmt: skip
+        else:
+            gdn_recur_program(
+                q_in, k_in, v_in, g_in, beta_in, rec, o, log_u, states, pend, stash_k, stash_g, T, stride_rn,
+                stride_pn, tl.program_id(0), i_nh, pend, 0, HK, H, DK, DV, BK, BV, NATIVE, FOLD, STAGES, SPLIT_OUT,
+                FMA, 1 if PDL else 0,
+            )  # fmt: skip
+    else:
+        gdn_recur_program(
+            q_in, k_in, v_in, g_in, beta_in, rec, o, log_u, states, pend, stash_k, stash_g, T, stride_rn, stride_pn,
+            tl.program_id(0), i_nh, pend, 0, HK, H, DK, DV, BK, BV, NATIVE, FOLD, STAGES, SPLIT_OUT,
+            FMA, 1 if PDL else 0,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -347,23 +416,9 @@ def gdn_recur_program(
             p_n = pend + i_n * stride_pn + i_h * NV + i_v
             n = tl.load(p_n)
             if n > 0:
-                # two tokens per iteration, then the odd one out: the same updates in the same order, the loop's
-                # per-iteration cost shared (H200, 9B shape, batch 1, all 16 of 16 pending: 17.1 -> 16.0 µs per
-                # layer; docs/BENCHMARKS.md stop 20). By four it was slower (17.1), and so was folding the last
-                # pending tokens inside the block loop's first iteration (stop 21)
-                for t in tl.range(0, n - 1, 2, num_stages=STAGES):
-                    fg, fk, fu = _fold_rows(
-                        stash_k, stash_g, log_u, i_n, i_h, i_hk, t, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
-                    )
-                    fg1, fk1, fu1 = _fold_rows(
-                        stash_k, stash_g, log_u, i_n, i_h, i_hk, t + 1, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
-                    )
-                    h = _fold_token(_fold_token(h, fg, fk, fu, FMA), fg1, fk1, fu1, FMA)
-                if n % 2 == 1:
-                    fg, fk, fu = _fold_rows(
-                        stash_k, stash_g, log_u, i_n, i_h, i_hk, n - 1, T, o_k, o_v, m_k, m_v, HK, H, DK, DV
-                    )
-                    h = _fold_token(h, fg, fk, fu, FMA)
+                h = _fold_pending(
+                    h, n, stash_k, stash_g, log_u, i_n, i_h, i_hk, T, o_k, o_v, m_k, m_v, HK, H, DK, DV, STAGES, FMA
+                )
                 tl.store(p_rec, h, mask=m_h)
                 tl.store(p_n, n * 0)
             tl.debug_barrier()
@@ -504,6 +559,8 @@ def launch_verify(
     chunked=None,
     pdl=False,
     one_launch=False,
+    fold_ahead=False,
+    fold_next=None,
 ):
     """gdn_prep_kernel on grid (N, 2·Hk + H, ⌈T / block_t⌉), then gdn_recur_kernel on grid (d_v / BV, N·H).
     Tensors as in the kernels (conv_weight as (C, K)); prep = (q, k, v, g, β) fp32 buffers of the prep kernel's
@@ -513,7 +570,11 @@ def launch_verify(
     launch_chunk_recur's chunk_block_v / block_k / num_warps (the fold's counts keep block_v's layout).
     pdl: the recurrence launched as a programmatic dependent of the prep (gdn_verify_triton's docstring).
     fma: the recurrence's d_k sums and state update as fused multiply-adds (gdn_verify_triton's docstring).
-    one_launch (not with chunked): both as one kernel instead, one_launch.py (pdl does not apply)."""
+    one_launch (not with chunked): both as one kernel instead, one_launch.py (pdl does not apply).
+    fold_ahead (sequential walk, stages ≥ 1; neither chunked nor one_launch): the recurrence compiled with its
+    fold-ahead programs (FOLD_NEXT), which fold_next = (rec, u, pend, stash_k, stash_g) of the next layer, when
+    given, runs: N·H more programs per value slice fold that layer's pending commit. A state keeps one setting
+    for all its verifies, with or without a next layer, so that they all run one compiled walk."""
     if one_launch:
         from dflash2.runtime.kernels.gdn_verify.one_launch import launch_one_launch
 
@@ -574,7 +635,14 @@ def launch_verify(
             num_k_heads=num_k_heads, block_v=block_v, stages=stages, fma=fma, **chunked,
         )  # fmt: skip
         return
-    gdn_recur_kernel[(triton.cdiv(DV, block_v), N * H)](
+    grid = (triton.cdiv(DV, block_v), N * H)
+    if fold_next is None:  # any tensors: no program reads them (no fold-ahead program, or compiled out)
+        fold_next = (rec_state, log_u, pend, stash_k, stash_g)
+    elif fold_ahead:
+        grid = (grid[0], 2 * N * H)
+    else:
+        raise ValueError("fold_next is run by the fold-ahead programs: it needs fold_ahead")
+    gdn_recur_kernel[grid](
         q,
         k,
         v,
@@ -587,9 +655,11 @@ def launch_verify(
         pend,
         stash_k,
         stash_g,
+        *fold_next,
         T,
         rec_state.stride(0),
         pend.stride(0),
+        N * H,
         HK=num_k_heads,
         H=H,
         DK=DK,
@@ -602,6 +672,7 @@ def launch_verify(
         SPLIT_OUT=split_out,
         FMA=fma,
         PDL=bool(pdl),
+        FOLD_NEXT=bool(fold_ahead),
         num_warps=num_warps,
         enable_fp_fusion=False,  # fused multiply-adds only where written (FMA): see _fma_pair, gdn_replay/kernel.py
         **({"launch_pdl": True} if pdl else {}),  # only asked for on CUDA (the interpreter knows no such option)
