@@ -48,7 +48,7 @@ def test_fold_ahead_defaults_and_refusals():
     for mode, opts in [("native", {}), ("replay", dict(stages=0)), ("replay", dict(one_launch=True))]:
         assert not _gdn_state(case, mode, 2, kernel_options=dict(opts, fold_ahead=True)).fold_ahead, (mode, opts)
     # gdn_verify_triton: a next layer's fold is run only by the fold-ahead programs
-    N, T = case["x"].shape[:2]
+    T = case["x"].shape[1]
     s = _gdn_state(case, "replay", 2, kernel_options=dict(block_v=4, fold_ahead=True))
     s.reserve(T)
     log = s._static[T][0]
