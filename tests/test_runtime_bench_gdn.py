@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from dflash2.runtime.bench_gdn import GDNShape, Row, main, measure, report, spec_bytes
+from dflash2.runtime.bench_gdn import GDNShape, Row, main, measure, median_run, report, spec_bytes
 from dflash2.runtime.kernels.triton_util import interpreting
 
 
@@ -33,6 +33,32 @@ def test_bench_runs_on_cpu(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "native ÷ replay" in printed and "| 2 | native |" in printed and "replay_eager ÷ replay" in printed
     assert out.exists()
+
+
+def test_repeats_report_the_median_run_and_the_spread(capsys):
+    args = ["--device", "cpu", "--tiny", "--batch", "1", "--block", "2", "--iters", "1", "--warmup", "0"]
+    two = ["--options", "{}", "--options", '{"stages": 2}']
+    rows = main([*args, "--modes", "replay", "--repeats", "3", *two])
+    assert [(r.batch, r.mode, r.kernel_options) for r in rows] == [(1, "replay", {}), (1, "replay", {"stages": 2})]
+    for r in rows:
+        assert r.runs == 3 and r.total_min_us <= r.total_us <= r.total_max_us
+    printed = capsys.readouterr().out
+    assert printed.count(" over 3 runs |") == 2
+    with pytest.raises(SystemExit):
+        main([*args, "--repeats", "0"])
+    with pytest.raises(SystemExit):
+        main([*args, "--repeats", "2", "--sweep"])
+
+
+def test_median_run_picks_the_middle_total():
+    runs = [_row(t) for t in (5.0, 1.0, 3.0, 4.0)]
+    m = median_run(runs)
+    assert (m.total_us, m.runs, m.total_min_us, m.total_max_us) == (3.0, 4, 1.0, 5.0)  # the lower middle of 4
+    assert median_run([_row(2.0)]).total_us == 2.0
+
+
+def _row(total: float) -> Row:
+    return Row(1, "replay", total - 0.5, 0.5, total, 1, 1, {})
 
 
 def test_speculative_state_at_the_9b_shape():

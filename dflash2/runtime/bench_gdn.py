@@ -26,6 +26,8 @@ commit is the copy of the kept state, as before). Mode ``replay_eager`` is Repla
 deferral off (the commit kernel folds at once: the layout before it), for the ablation. On CUDA
 each phase is captured as a CUDA graph (kernel time without Python launch overhead; ``--eager``
 times plain calls), timed with events over ``--iters`` replays, and divided by the layer count.
+``--repeats R`` times every row R times, all rows once per repeat in turn, and reports each row's
+median run with the spread of its totals (what a speed claim needs: medians and spread, several runs).
 n = T (every draft accepted) unless ``--accepted`` says otherwise: the most a fold does; native's
 copy costs the same for any n.
 
@@ -45,7 +47,7 @@ import argparse
 import itertools
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -145,6 +147,17 @@ class Row:
     state_bytes_per_request: int  # the committed conv + recurrent state, all GDN layers
     kernel_options: dict  # as given ({} = the defaults)
     resolved_options: dict | None = None  # what the state ran: the given ones plus defaults GDNState picks (block_v)
+    runs: int = 1  # timed runs of this row (--repeats): the fields above are the run with the median total
+    total_min_us: float | None = None  # the runs' spread (runs > 1)
+    total_max_us: float | None = None
+
+
+def median_run(runs: list[Row]) -> Row:
+    """The run whose total is the median (the lower of the two middle ones for an even count), with the spread
+    of all runs' totals in total_min_us / total_max_us."""
+    ordered = sorted(runs, key=lambda r: r.total_us)
+    mid = ordered[(len(ordered) - 1) // 2]
+    return replace(mid, runs=len(runs), total_min_us=ordered[0].total_us, total_max_us=ordered[-1].total_us)
 
 
 def _layer_inputs(shape: GDNShape, N: int, T: int, dtype, device, seed: int = 0) -> list[tuple]:
@@ -378,6 +391,11 @@ def best_options(shape, N, T, mode, **kw) -> Row:
     return best
 
 
+def _spread(r: Row) -> str:
+    """' [min–max] over k runs' after a median of several runs, else nothing."""
+    return f" [{r.total_min_us:.1f}–{r.total_max_us:.1f}] over {r.runs} runs" if r.runs > 1 else ""
+
+
 def report(rows: list[Row], T: int) -> str:
     """Markdown table + the issue's targets, checked where the rows allow."""
     lines = [
@@ -386,11 +404,12 @@ def report(rows: list[Row], T: int) -> str:
         "replay: the commit records n, the next verify folds those n tokens (its µs include the fold);"
         " replay_eager: the commit folds at once; native: the commit copies the kept state.",
         "",
-        "| batch | mode | verify µs | commit µs | total µs | spec state / request | committed / request | options |",
+        "| batch | mode | verify µs | commit µs | total µs (median [min–max] with --repeats) | spec state / request "
+        "| committed / request | options |",
         "|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     lines += [
-        f"| {r.batch} | {r.mode} | {r.verify_us:.1f} | {r.commit_us:.1f} | {r.total_us:.1f} "
+        f"| {r.batch} | {r.mode} | {r.verify_us:.1f} | {r.commit_us:.1f} | {r.total_us:.1f}{_spread(r)} "
         f"| {_size(r.spec_bytes_per_request)} | {_size(r.state_bytes_per_request)} "
         f"| {_options_label(r)} |"
         for r in rows
@@ -418,6 +437,11 @@ def report(rows: list[Row], T: int) -> str:
     return "\n".join(lines)
 
 
+def _free(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.empty_cache()  # native at batch 64 holds tens of GiB of per-position states
+
+
 def main(argv=None) -> list[Row]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
@@ -428,6 +452,13 @@ def main(argv=None) -> list[Row]:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="time every (batch, mode, options) row this many times, the rows interleaved within each repeat "
+        "(machine drift hits them alike); each row reports its median run and the spread (not with --sweep)",
+    )
     p.add_argument("--eager", action="store_true", help="time plain calls instead of CUDA-graph replays")
     p.add_argument("--sweep", action="store_true", help="search block_v / num_warps / prep_warps per batch and mode")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
@@ -465,14 +496,27 @@ def main(argv=None) -> list[Row]:
         graphs=not args.eager,
     )
     print(f"shape {asdict(shape)}, device {args.device}, dtype {args.dtype}")
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: expected ≥ 1")
+    if args.sweep and args.repeats > 1:
+        p.error("--repeats applies to the listed rows, not to --sweep's search")
     rows = []
-    for N, mode in itertools.product(args.batch, args.modes):
-        if args.sweep and mode != "reference":
-            rows.append(best_options(shape, N, args.block, mode, **kw))
-        else:
-            rows.extend(measure(shape, N, args.block, mode, kernel_options=o, **kw) for o in args.options or [None])
-        if args.device != "cpu":
-            torch.cuda.empty_cache()  # native at batch 64 holds tens of GiB of per-position states
+    if args.sweep:
+        for N, mode in itertools.product(args.batch, args.modes):
+            if mode == "reference":
+                rows.extend(measure(shape, N, args.block, mode, kernel_options=o, **kw) for o in args.options or [None])
+            else:
+                rows.append(best_options(shape, N, args.block, mode, **kw))
+            _free(args.device)
+    else:
+        options = args.options or [None]
+        configs = [(N, mode, o) for N, mode in itertools.product(args.batch, args.modes) for o in options]
+        runs = {i: [] for i in range(len(configs))}
+        for _ in range(args.repeats):  # every row once per repeat, in order: drift spreads over all of them
+            for i, (N, mode, o) in enumerate(configs):
+                runs[i].append(measure(shape, N, args.block, mode, kernel_options=o, **kw))
+                _free(args.device)
+        rows = [runs[i][0] if args.repeats == 1 else median_run(runs[i]) for i in range(len(configs))]
     print(report(rows, args.block))
     if args.profile and args.device != "cpu":
         for N, mode, o in itertools.product(args.batch, args.modes, args.options or [None]):
