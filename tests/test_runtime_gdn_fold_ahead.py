@@ -42,8 +42,10 @@ def test_fold_ahead_equals_each_layer_folding_its_own(device):
 def test_fold_ahead_defaults_and_refusals():
     case = make_case(2, 3, GQA, seed=150)
     kw = dict(kernel_options=dict(block_v=4))
-    assert not _gdn_state(case, "replay", 2, **kw).fold_ahead  # CPU: off unless asked
-    assert _gdn_state(case, "replay", 2, kernel_options=dict(fold_ahead=True)).fold_ahead
+    off = _gdn_state(case, "replay", 2, **kw)
+    assert not off.fold_ahead and "fold_ahead" not in off.options_ran()  # CPU: off unless asked
+    on = _gdn_state(case, "replay", 2, kernel_options=dict(fold_ahead=True))
+    assert on.fold_ahead and on.options_ran()["fold_ahead"] is True  # what results.json records
     # no sequential walk to run the programs in: off whatever was asked
     for mode, opts in [("native", {}), ("replay", dict(stages=0)), ("replay", dict(one_launch=True))]:
         assert not _gdn_state(case, mode, 2, kernel_options=dict(opts, fold_ahead=True)).fold_ahead, (mode, opts)

@@ -454,7 +454,7 @@ def run_speedup(
                     )
                     # what the engine's GDN states ran, per slot bucket (GDNState resolves e.g. block_v on CUDA)
                     sub["gdn_kernel_options_ran"] = {
-                        str(n): dict(s.state.gdn.kernel_options)
+                        str(n): s.state.gdn.options_ran()
                         for n, s in sorted(dec.slots.items())
                         if s.state.gdn is not None
                     }

@@ -299,7 +299,7 @@ def measure(
         spec_bytes_per_request=spec_bytes,
         state_bytes_per_request=state_bytes,
         kernel_options=dict(kernel_options or {}),
-        resolved_options=dict(state.kernel_options),
+        resolved_options=state.options_ran(),
     )
 
 

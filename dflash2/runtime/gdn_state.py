@@ -187,6 +187,11 @@ class GDNState:
         self._deferred: int | None = None
         self._captured: set[int] = set()
 
+    def options_ran(self) -> dict:
+        """kernel_options as the verifies run them: the given and resolved ones, plus ``fold_ahead: True`` where
+        this state folds ahead (for records: results.json, the bench's rows)."""
+        return dict(self.kernel_options, **({"fold_ahead": True} if self.fold_ahead else {}))
+
     def _fold_ahead_setting(self, mode: str, batch_size: int, device) -> bool:
         """The verifies' fold_ahead (kernel_options' if given), resolved once per state, so that every verify
         runs one compiled walk: else on for ReplaySSM's sequential walk on CUDA at up to FOLD_AHEAD_MAX_ROWS rows.
