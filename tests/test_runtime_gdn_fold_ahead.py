@@ -58,6 +58,8 @@ def test_fold_ahead_defaults_and_refusals():
     nxt = NextLayerFold(s.rec[1], s._static[T][1].u, PendingFold(s._pend[T][1], *(t[1] for t in s._stash[T])))
     with pytest.raises(ValueError, match="fold_ahead"):
         gdn_verify_triton(**case, out=log, fold=here, fold_next=nxt, block_v=4)
+    with pytest.raises(ValueError, match="own fold"):  # no fold of its own: not the deferred path
+        gdn_verify_triton(**case, out=log, fold_next=nxt, block_v=4, fold_ahead=True)
     with pytest.raises(ValueError, match="state layout"):
         bad = NextLayerFold(s.rec[1, :1], nxt.u, nxt.fold)
         gdn_verify_triton(**case, out=log, fold=here, fold_next=bad, block_v=4, fold_ahead=True)

@@ -192,17 +192,26 @@ def gdn_verify_triton(
         if fold.k.shape != log.k.shape or fold.g.shape != log.g.shape:
             raise ValueError("fold.k / fold.g must have the log's k / g shapes")
     if fold_next is not None:
-        if not fold_ahead or native or one_launch or chunked or stages == 0:
-            raise ValueError("fold_next is folded by ReplaySSM's fold-ahead programs: fold_ahead, sequential walk")
+        if not fold_ahead or native or one_launch or chunked or stages == 0 or fold is None:
+            raise ValueError(
+                "fold_next is folded by ReplaySSM's fold-ahead programs: fold_ahead, the sequential walk, and this "
+                "layer's own fold (reserved logs)"
+            )
+        # the kernel indexes the next layer's tensors with this layer's strides
         nf = fold_next.fold
-        if fold_next.rec.shape != rec_state.shape or fold_next.rec[0].stride() != rec_state[0].stride():
+        if fold_next.rec.shape != rec_state.shape or fold_next.rec.stride() != rec_state.stride():
             raise ValueError(f"fold_next.rec {tuple(fold_next.rec.shape)}: expected this layer's state layout")
-        if fold_next.u.shape != log.u.shape or fold_next.u.stride(-1) != 1:
-            raise ValueError(f"fold_next.u {tuple(fold_next.u.shape)}: expected the log's u {tuple(log.u.shape)}")
-        if nf.n.shape != (N, recur_programs(H, dv, bv)) or nf.n.stride(-1) != 1:
-            raise ValueError(f"fold_next's counts {tuple(nf.n.shape)}: expected ({N}, {recur_programs(H, dv, bv)})")
-        if nf.k.shape != log.k.shape or nf.g.shape != log.g.shape:
-            raise ValueError("fold_next's stash must have the log's k / g shapes")
+        if fold_next.u.shape != log.u.shape or fold_next.u.stride() != log.u.stride():
+            raise ValueError(f"fold_next.u {tuple(fold_next.u.shape)}: expected the log's u, {tuple(log.u.shape)}")
+        if nf.n.shape != fold.n.shape or nf.n.stride() != fold.n.stride():
+            raise ValueError(f"fold_next's counts {tuple(nf.n.shape)}: expected this layer's {tuple(fold.n.shape)}")
+        if (nf.k.shape, nf.k.stride(), nf.g.shape, nf.g.stride()) != (
+            fold.k.shape,
+            fold.k.stride(),
+            fold.g.shape,
+            fold.g.stride(),
+        ):
+            raise ValueError("fold_next's stash must have this layer's stash layout")
     if T == 0 or N == 0:
         return o, log
     f32 = dict(dtype=torch.float32, device=x.device)
