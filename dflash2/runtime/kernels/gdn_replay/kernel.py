@@ -19,7 +19,7 @@ multiply-add). Native rollback copies the state verify stored after token n.
 import triton
 import triton.language as tl
 
-from dflash2.runtime.kernels.gdn_verify.kernel import _fold_token
+from dflash2.runtime.kernels.gdn_verify.kernel import _fold_token, _state_tile
 
 
 @triton.jit
@@ -68,12 +68,7 @@ def gdn_replay_kernel(
     i_hk = i_h // (H // HK)
     n = tl.load(n_acc + i_n).to(tl.int32)
     if n > 0:
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < DK
-        m_v = o_v < DV
-        m_h = m_k[:, None] & m_v[None, :]
-        p_rec = rec + i_n * stride_rn + i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
+        o_k, o_v, m_k, m_v, m_h, p_rec = _state_tile(rec, stride_rn, i_n, i_h, i_v, DK, DV, BK, BV)
         if NATIVE:
             p_s = states + (((i_n * T + n - 1) * H + i_h) * DK + o_k[:, None]) * DV + o_v[None, :]
             h = tl.load(p_s, mask=m_h, other=0.0)

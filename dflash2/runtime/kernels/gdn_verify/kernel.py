@@ -203,6 +203,19 @@ def _fold_token(h, g, k, u, FMA: tl.constexpr):
 
 
 @triton.jit
+def _state_tile(rec, stride_rn, i_n, i_h, i_v, DK, DV, BK, BV):
+    """The (BK, BV) tile of row i_n, value head i_h, value slice i_v of a (N, H, DK, DV) state: its d_k and d_v
+    offsets and masks, the tile's mask and pointers -> (o_k, o_v, m_k, m_v, m_h, p_rec)."""
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < DK
+    m_v = o_v < DV
+    m_h = m_k[:, None] & m_v[None, :]
+    p_rec = rec + i_n * stride_rn + i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
+    return o_k, o_v, m_k, m_v, m_h, p_rec
+
+
+@triton.jit
 def _fold_pending(
     h, n, stash_k, stash_g, log_u, i_n, i_h, i_hk, T, o_k, o_v, m_k, m_v, HK, H, DK, DV, STAGES: tl.constexpr, FMA
 ):  # fmt: skip
@@ -236,12 +249,7 @@ def _fold_ahead_program(
     p_n = pend + i_n * stride_pn + i_h * NV + i_v
     n = tl.load(p_n)
     if n > 0:
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < DK
-        m_v = o_v < DV
-        m_h = m_k[:, None] & m_v[None, :]
-        p_rec = rec + i_n * stride_rn + i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
+        o_k, o_v, m_k, m_v, m_h, p_rec = _state_tile(rec, stride_rn, i_n, i_h, i_v, DK, DV, BK, BV)
         h = tl.load(p_rec, mask=m_h, other=0.0)
         h = _fold_pending(
             h, n, stash_k, stash_g, log_u, i_n, i_h, i_hk, T, o_k, o_v, m_k, m_v, HK, H, DK, DV, STAGES, FMA
@@ -400,12 +408,7 @@ def gdn_recur_program(
     i_n = (i_nh // H).to(tl.int64)  # int64: offsets into (N, T, H, DK, DV) outputs can pass 2^31
     i_h = i_nh % H
     i_hk = i_h // (H // HK)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < DK
-    m_v = o_v < DV
-    m_h = m_k[:, None] & m_v[None, :]
-    p_rec = rec + i_n * stride_rn + i_h * DK * DV + o_k[:, None] * DV + o_v[None, :]
+    o_k, o_v, m_k, m_v, m_h, p_rec = _state_tile(rec, stride_rn, i_n, i_h, i_v, DK, DV, BK, BV)
     # masked lanes (BK > DK, BV > DV) load 0 and stay 0 through the recurrence
     h = tl.load(p_rec, mask=m_h, other=0.0)
     if STAGES > 0:
