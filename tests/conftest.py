@@ -39,7 +39,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     from dflash2.runtime.kernels.interpreter_reduce import vectorize_interpreter_reductions
 
     vectorize_interpreter_reductions()
-    # and a jit helper's call re-patches triton.language that its launch already patched (a tenth of the
+    # and a jit helper's call re-patches triton.language that its launch already patched (5-8% of the
     # engine-level GDN tests' time): interpreter_nested_calls.py skips that
     skip_repatching_nested_calls()
 

@@ -4,8 +4,8 @@ When an interpreted kernel calls a jit helper (``_prep_chunk``, ``_verify_token`
 built from them), the interpreter patches ``triton.language`` for the helper again: an
 ``inspect.getmembers`` walk over ``tl``, ``tl.core``, ``tl.math`` and the tensor class per call. Inside a
 launch those modules are already patched (the launch patches them and restores them when it ends), so the
-walk finds nothing left to patch, and its cost is pure overhead: about a tenth of the CPU time of the
-engine-level GDN tests, whose kernels call helpers thousands of times.
+walk finds nothing left to patch, and its cost is pure overhead: 5-8% of the wall time of the
+engine-level GDN tests (about a tenth under cProfile), whose kernels call helpers thousands of times.
 
 :func:`skip_repatching_nested_calls` makes a helper call skip the walk when every language module the
 helper can see is already patched, and patch as before otherwise (a helper called outside a launch, or
