@@ -360,18 +360,14 @@ def gdn_recur_kernel(
     FOLD_NEXT: tl.constexpr,  # N·H more programs fold the next layer's pending commit: _fold_ahead_program
 ):
     i_nh = tl.program_id(1)
+    ahead = False  # without FOLD_NEXT a compile-time False: the branch below is not compiled
     if FOLD_NEXT:
-        if i_nh >= NH:
-            _fold_ahead_program(
-                rec_next, u_next, pend_next, stash_k_next, stash_g_next, T, stride_rn, stride_pn, tl.program_id(0),
-                i_nh - NH, HK, H, DK, DV, BK, BV, STAGES, FMA,
-            )  # fmt: skip
-        else:
-            gdn_recur_program(
-                q_in, k_in, v_in, g_in, beta_in, rec, o, log_u, states, pend, stash_k, stash_g, T, stride_rn,
-                stride_pn, tl.program_id(0), i_nh, pend, 0, HK, H, DK, DV, BK, BV, NATIVE, FOLD, STAGES, SPLIT_OUT,
-                FMA, 1 if PDL else 0,
-            )  # fmt: skip
+        ahead = i_nh >= NH
+    if ahead:
+        _fold_ahead_program(
+            rec_next, u_next, pend_next, stash_k_next, stash_g_next, T, stride_rn, stride_pn, tl.program_id(0),
+            i_nh - NH, HK, H, DK, DV, BK, BV, STAGES, FMA,
+        )  # fmt: skip
     else:
         gdn_recur_program(
             q_in, k_in, v_in, g_in, beta_in, rec, o, log_u, states, pend, stash_k, stash_g, T, stride_rn, stride_pn,
