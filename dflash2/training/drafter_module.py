@@ -37,6 +37,7 @@ from dflash2.training.batch_transfer import copies_beside_compute, copy_beside_c
 from dflash2.training.chunked_head import HeadOutputs, chunked_head_outputs, head_outputs_from_logits
 from dflash2.training.data_parallel import all_reduce_sum, global_weight_share, world_size
 from dflash2.training.optimizer_impl import adamw_kwargs, check_optimizer_impl, is_fused, resolve_optimizer_impl
+from dflash2.training.param_groups import PARAM_ORDER, decay_runs, regroup_two_group_checkpoint
 from dflash2.training.preflight import (
     check_attention,
     check_conv_kernels,
@@ -349,19 +350,27 @@ class DrafterTrainingModule(L.LightningModule):
 
     # -------------------------------------------------------------- optimiser
     def configure_optimizers(self):
-        named = [(n, p) for n, p in self.drafter.named_parameters() if p.requires_grad]
-        decay = [p for n, p in named if n in self._decayed]
-        no_decay = [p for n, p in named if n not in self._decayed]
+        named = dict(self._trainable())
+        # Groups in the module's parameter order (param_groups.py: what FSDP's resume of a one-device
+        # checkpoint assumes), decay on the matrices.
+        groups = [
+            {"params": [named[n] for n in run], "weight_decay": self.weight_decay if decays else 0.0}
+            for decays, run in decay_runs(list(named), self._decayed)
+        ]
         # Lightning builds the optimiser after moving the module to its device: the parameters' device is final.
-        impl = resolve_optimizer_impl(self.optimizer_impl, [p for _, p in named], self._grad_scaler() is not None)
+        impl = resolve_optimizer_impl(self.optimizer_impl, list(named.values()), self._grad_scaler() is not None)
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            groups,
             lr=self.lr,
             betas=(0.9, 0.95),
             **adamw_kwargs(impl),
         )
         scheduler = cosine_with_warmup(optimizer, int(self.warmup_ratio * self.total_steps), self.total_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The drafter's trainable parameters by name, in module order (the optimizer's order)."""
+        return [(n, p) for n, p in self.drafter.named_parameters() if p.requires_grad]
 
     def _grad_scaler(self):
         """The precision plugin's gradient scaler (16-mixed), or None (bf16-mixed, 32-true, no trainer)."""
@@ -391,7 +400,11 @@ class DrafterTrainingModule(L.LightningModule):
 
     # ------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["dflash2"] = {"drafter_config": self.drafter.config.to_dict(), "target_id": self.target_id}
+        checkpoint["dflash2"] = {
+            "drafter_config": self.drafter.config.to_dict(),
+            "target_id": self.target_id,
+            "param_order": PARAM_ORDER,  # the optimizer's groups in module order (param_groups.py)
+        }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         saved = checkpoint.get("dflash2", {}).get("drafter_config")
@@ -404,3 +417,5 @@ class DrafterTrainingModule(L.LightningModule):
                 + ", ".join(diff[:4])
                 + "); resume with the same target and drafter config, or start a new run"
             )
+        if checkpoint["dflash2"].get("param_order") != PARAM_ORDER:  # written with the older two groups
+            regroup_two_group_checkpoint(checkpoint, [n for n, _ in self._trainable()], self._decayed)

@@ -51,5 +51,10 @@ def drafter_on_rank_zero(trainer: L.Trainer, module) -> torch.nn.Module | None:
         weights = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
         copy = type(module.drafter)(module.drafter.config)
         copy.load_state_dict(weights, strict=True)  # a missing or foreign key is an error, never a silent mix
+        # Modules' run-time switches (drafter.norm_kernels, drafter.conv_kernels: the Triton kernels or the
+        # torch twins) are not weights: carry them over, so the copy runs the code the training ran.
+        for mine, trained in zip(copy.modules(), module.drafter.modules(), strict=True):
+            if hasattr(trained, "use_kernels"):
+                mine.use_kernels = trained.use_kernels
         return copy.float().train(module.drafter.training)
     return module.drafter if trainer.is_global_zero else None

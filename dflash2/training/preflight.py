@@ -191,6 +191,11 @@ def check_resume_checkpoint(path: str, config: DrafterConfig) -> int:
     return int(ckpt.get("global_step", 0))
 
 
+def resume_param_order(path: str) -> str | None:
+    """How the checkpoint at ``path`` orders its optimizer groups (param_groups.py); None: the older two groups."""
+    return read_resume_checkpoint(path)["dflash2"].get("param_order")
+
+
 def drafter_config_differences(saved: dict, now: dict) -> list[str]:
     """'field: checkpoint X vs now Y' for every architecture/target field that differs.
 

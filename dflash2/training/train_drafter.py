@@ -17,6 +17,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from hydra.utils import instantiate
+from lightning.pytorch.strategies import FSDPStrategy
 from omegaconf import DictConfig
 
 from dflash2.data.generation_backend import backend_name, release_engines
@@ -38,6 +39,8 @@ from dflash2.training.full_drafter import check_supported_strategy, drafter_on_r
 from dflash2.training.launch import PREPARE_FIRST, external_world_size
 from dflash2.training.offline_features import OfflineFeatures, features_mode
 from dflash2.training.optimizer_impl import check_optimizer_impl
+from dflash2.training.param_groups import check_param_order
+from dflash2.training.peak_memory import peak_memory_per_rank, reset_peak_memory
 from dflash2.training.preflight import (
     check_attention,
     check_blocks_fit_the_data,
@@ -50,6 +53,7 @@ from dflash2.training.preflight import (
     check_resume_checkpoint,
     check_sequences_fit_the_context,
     resolve_ckpt_path,
+    resume_param_order,
 )
 from dflash2.training.run import instantiate_callbacks, instantiate_loggers, regeneration_device
 
@@ -171,13 +175,17 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict | None:
     loggers = instantiate_loggers(cfg, resume_step)
     trainer: L.Trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=instantiate_callbacks(cfg))
     check_supported_strategy(trainer)
+    if resume_from is not None:
+        check_param_order(resume_param_order(resume_from), fsdp=isinstance(trainer.strategy, FSDPStrategy))
     with warnings.catch_warnings(), explain_oom("drafter training", *training_oom_hints(cfg, loss_chunk)):
         # Multi-process: Lightning suggests sync_dist for every epoch-level val/ metric; every rank runs the
         # whole validation split and holds the same values (drafter_data.py), so there is nothing to sync.
         warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('val/")
+        reset_peak_memory(trainer.strategy.root_device)
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from)
 
-    # Every rank calls it (FSDP gathers the shards); from here on rank 0 alone writes the run's files.
+    # Both collectives run on every rank (FSDP gathers the shards); from here on rank 0 alone writes the run's files.
+    peak_memory = peak_memory_per_rank(trainer.strategy, trainer.strategy.root_device)
     trained = drafter_on_rank_zero(trainer, module)
     if trained is None:
         return None
@@ -220,10 +228,17 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict | None:
     summary = {"heldout_tau_measured": measured, **report}
     summary["steps"] = int(trainer.global_step)
     summary["drafter_dir"] = str(drafter_dir)
+    if peak_memory is not None:
+        summary["training_peak_memory_per_rank"] = peak_memory
     (output_dir / "train_summary.json").write_text(json.dumps(summary, indent=2))
     log.info(measured_tau_line(measured, seconds))
     for line in heldout_report_lines(summary):
         log.info(line)
+    if peak_memory is not None:
+        log.info(
+            "training peak GPU memory per rank, GiB allocated / reserved: "
+            + ", ".join(f"{a:.2f} / {r:.2f}" for a, r in zip(peak_memory["allocated_gib"], peak_memory["reserved_gib"]))
+        )
     return summary
 
 
