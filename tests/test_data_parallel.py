@@ -278,10 +278,9 @@ def test_the_fsdp_copy_holds_the_gathered_weights_on_rank_zero_only(make_spec_ta
     """Logic check of the FSDP path with a stand-in for the gather (FSDP needs GPUs; not an FSDP run)."""
     from lightning.pytorch.strategies import FSDPStrategy
 
-    from dflash2.training.full_drafter import drafter_on_rank_zero
-
     from dflash2.drafter.local_conv import set_conv_kernels
     from dflash2.drafter.model import set_norm_kernels
+    from dflash2.training.full_drafter import drafter_on_rank_zero
 
     drafter = make_spec_drafter(make_spec_target("qwen3"), 4, v2=True)
     full = {f"drafter.{k}": v + 1.0 for k, v in drafter.state_dict().items()}  # what the shards gather to
