@@ -139,3 +139,14 @@ def test_an_optimizer_state_of_another_layout_is_refused(module):
     checkpoint = {"optimizer_states": [state], "dflash2": {"drafter_config": module.drafter.config.to_dict()}}
     with pytest.raises(DFlash2Error, match="neither this drafter's parameter order nor its older two-group layout"):
         module.on_load_checkpoint(checkpoint)
+
+
+def test_the_learning_rate_log_refuses_groups_on_different_rates():
+    from types import SimpleNamespace
+
+    from dflash2.training.lr_log import LearningRateLog
+
+    one, two = torch.zeros(1, requires_grad=True), torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.SGD([{"params": [one], "lr": 1.0}, {"params": [two], "lr": 2.0}])
+    with pytest.raises(DFlash2Error, match=r"2 learning rates \(\[1.0, 2.0\]\)"):
+        LearningRateLog().on_train_batch_start(SimpleNamespace(optimizers=[optimizer]), None, None, 0)

@@ -19,6 +19,7 @@ from dflash2.eval.prompts import prompt_set
 from dflash2.target import TargetModel
 from dflash2.training.cli import CONFIG_DIR
 from dflash2.training.run import run_from_config
+from dflash2.training.schedule import cosine_with_warmup
 from dflash2.training.train_drafter import heldout_report_lines, measured_tau_line
 
 pytestmark = pytest.mark.slow
@@ -123,6 +124,23 @@ def test_checkpoints_hold_only_tensors_and_plain_data(trained_run):
     for ckpt in sorted((tmp / "run" / "checkpoints").iterdir()):
         assert torch.serialization.get_unsafe_globals_in_checkpoint(str(ckpt)) == [], ckpt.name
         assert torch.load(ckpt, map_location="cpu", weights_only=True)["dflash2"]["drafter_config"]["block_size"] == 8
+
+
+def test_the_learning_rate_is_one_column_on_the_schedule(trained_run):
+    tmp, _ = trained_run
+    with open(tmp / "run" / "csv" / "metrics.csv") as fh:
+        reader = csv.DictReader(fh)
+        rows = list(reader)
+    assert [c for c in reader.fieldnames if c.startswith("lr")] == ["lr-AdamW"]  # not one per parameter group
+    rates = {int(r["step"]): float(r["lr-AdamW"]) for r in rows if r.get("lr-AdamW")}
+    assert sorted(rates) == list(range(6))  # logged every step (log_every_n_steps=1), before its update
+    # the schedule of the micro run: drafter.lr 3e-3, warmup_ratio 0.04 of 6 steps (none), cosine
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=3e-3)
+    schedule = cosine_with_warmup(optimizer, int(0.04 * 6), 6)
+    for step in range(6):
+        assert rates[step] == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-6), step  # logged as fp32
+        optimizer.step()
+        schedule.step()
 
 
 def test_measured_tau_is_logged_at_each_validation(trained_run):
