@@ -175,8 +175,8 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict | None:
     loggers = instantiate_loggers(cfg, resume_step)
     trainer: L.Trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=instantiate_callbacks(cfg))
     check_supported_strategy(trainer)
-    if resume_from is not None:
-        check_param_order(resume_param_order(resume_from), fsdp=isinstance(trainer.strategy, FSDPStrategy))
+    if resume_from is not None and isinstance(trainer.strategy, FSDPStrategy):  # the only strategy that cares
+        check_param_order(resume_param_order(resume_from), fsdp=True)
     with warnings.catch_warnings(), explain_oom("drafter training", *training_oom_hints(cfg, loss_chunk)):
         # Multi-process: Lightning suggests sync_dist for every epoch-level val/ metric; every rank runs the
         # whole validation split and holds the same values (drafter_data.py), so there is nothing to sync.
