@@ -48,6 +48,7 @@ from dflash2.safe_load import load_torch_file
 from dflash2.target_recipe import hybrid_target_config
 from dflash2.tokenizer import EOS_TOKEN, PAD_TOKEN, encode_documents, train_bpe_tokenizer, wrap_tokenizer
 from dflash2.training.atomic_checkpoint_io import AtomicCheckpointIO
+from dflash2.training.fla_backward_check import fla_backward_refusal
 from dflash2.training.launch import PREPARE_FIRST, external_world_size
 from dflash2.training.target_chat_mix import RECIPE_KEY as CHAT_KEY
 from dflash2.training.target_chat_mix import chat_fraction, chat_mix_cache_entry, chat_pretraining_tokens
@@ -217,6 +218,9 @@ def build_embedded_target(cfg: DictConfig, final: Path) -> dict:
 
     Resumes from `build_work_dir(final)/last.ckpt` when an earlier attempt left one.
     """
+    refusal = fla_backward_refusal(cfg.trainer.get("accelerator", "cpu"))
+    if refusal is not None:
+        raise DFlash2Error(refusal)
     recipe = cfg.target.recipe
     seed = target_build_seed(cfg)
     started = time.time()
