@@ -125,6 +125,21 @@ def test_rank_zero_alone_writes_the_runs_files(two):
     assert log.count("RESULT: measured tau") == 1 and "RESULT" not in (two / "train_ddp_process_1.log").read_text()
 
 
+def test_compare_runs_reads_the_world_sizes_and_finds_the_curves_equal(one, two):
+    """The multi-GPU report tool on real runs: world sizes from the summaries, loss curves that agree."""
+    from dflash2.training.compare_runs import compare, load_run
+
+    report = compare([load_run("one", one), load_run("two", two)], "one", None, window=1, skip=0.0)
+    base, other = report["runs"]
+    assert (base["world_size"], other["world_size"]) == (1, 2)
+    parity = other["loss_parity"]
+    assert parity["train_smoothed"]["steps_compared"] == 4 and parity["val"]["steps_compared"] == 2
+    assert parity["train_smoothed"]["max_abs"] <= RTOL * base["final_train_loss_smoothed"]
+    assert parity["val"]["max_abs"] <= RTOL * base["final_val_loss"]
+    assert other["tokens_per_s"]["points"] >= 2 and other["tokens_per_s_per_gpu"] > 0
+    assert other["within_noise"] is None  # no noise run given
+
+
 def test_a_two_process_checkpoint_resumes_in_one_process_on_the_same_batches(one, two, tmp_path, micro_train_overrides):
     out = tmp_path / "resumed"
     ckpt = two / "checkpoints" / "step000002.ckpt"

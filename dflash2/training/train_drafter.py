@@ -227,6 +227,7 @@ def train_drafter(cfg: DictConfig, target_dir, output_dir: Path) -> dict | None:
     # The measurement leads (train_summary.json and the console); the estimate follows, labelled.
     summary = {"heldout_tau_measured": measured, **report}
     summary["steps"] = int(trainer.global_step)
+    summary["world_size"] = int(trainer.world_size)  # processes that trained (GPUs on a GPU run)
     summary["drafter_dir"] = str(drafter_dir)
     if peak_memory is not None:
         summary["training_peak_memory_per_rank"] = peak_memory
