@@ -21,6 +21,7 @@ from dflash2.errors import DFlash2Error
 from dflash2.logging_setup import send_lightning_logs_to_root
 from dflash2.target import check_target_source
 from dflash2.training.build_target import BUILD_INFO, ensure_target, format_target_report, publish_target
+from dflash2.training.device_check import check_trainer_devices
 from dflash2.training.preflight import check_drafter_files
 from dflash2.training.resumable_loggers import resume_histories
 
@@ -33,6 +34,7 @@ def run_from_config(cfg: DictConfig) -> dict:
     output_dir.mkdir(parents=True, exist_ok=True)
     if cfg.task not in ("target", "data", "drafter"):
         raise DFlash2Error(f"task={cfg.task!r}: use task=drafter (default), task=data or task=target")
+    check_trainer_devices(cfg.trainer)  # a GPU or FSDP setting this machine can't run: before any build
     if cfg.task == "drafter":  # seconds, before a target is built or copied into the run
         check_drafter_files(cfg, output_dir)
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
