@@ -25,7 +25,9 @@ GIB = 2**30
 
 def reset_peak_memory(device: torch.device) -> None:
     """Start this rank's peak count afresh (no-op off CUDA)."""
-    if device.type == "cuda":
+    # Before CUDA's first use in this process (target and data both cached) there is nothing to reset,
+    # and torch refuses the call ("Invalid device argument").
+    if device.type == "cuda" and torch.cuda.is_initialized():
         torch.cuda.reset_peak_memory_stats(device)
 
 
