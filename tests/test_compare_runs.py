@@ -148,6 +148,13 @@ def test_the_cli_prints_both_tables_and_writes_json_and_plot(runs, tmp_path):
     speed_line, loss_line = [line for line in done.stdout.splitlines() if line.startswith("| ddp |")]
     assert speed_line == "| ddp | 2 | 200 | 19,000 [19,000–19,000] | 9,500 | 0.95 | 6.00 / 7.00, 6.50 / 7.50 | 2.100 |"
     assert loss_line.endswith("| 0.0100 | yes |")
+    baseline_loss_line = [line for line in done.stdout.splitlines() if line.startswith("| one |")][1]
+    assert "(baseline)" in baseline_loss_line
+    for line in done.stdout.splitlines():  # every row of a table has its header's columns (markdown drops extra cells)
+        if line.startswith("| run |"):
+            columns = line.count("|")
+        elif line.startswith("|"):
+            assert line.count("|") == columns, line
     assert json.loads(out.read_text())["baseline"] == "one"
     assert (tmp_path / "curves.png").stat().st_size > 1000
 

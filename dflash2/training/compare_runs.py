@@ -222,7 +222,7 @@ def markdown(report: dict) -> str:
     for r in report["runs"]:
         p = r["loss_parity"]
         if p is None:
-            cells = "(baseline) | | |"
+            cells = "(baseline) | |"
         else:
             tr = p["train_smoothed"]
             at = "" if tr["max_abs"] is None else f" ({tr['max_abs_at_step']})"
